@@ -1,0 +1,115 @@
+"""`dflow-trt` command line: generate, demo (and the other pipeline stages as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import UserError
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if not prompt:
+        raise UserError("empty prompt: pass --prompt with some text")
+    if tokenizer is None:
+        raise UserError("this target has no tokenizer; use a named target or a checkpoint folder with one")
+    if chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from .decoding.loop import generate
+    from .decoding.sampling import SamplingParams
+    from .drafter.defaults import load_target_and_drafter
+    from .drafter.runtime import TorchDrafter
+
+    if a.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    if a.block_size is not None and a.block_size < 2:
+        raise UserError(f"--block-size must be at least 2 (anchor + one draft), got {a.block_size}")
+    if not a.prompt:
+        raise UserError("empty prompt: pass --prompt with some text")
+    sampling = SamplingParams(a.temperature, a.top_p, a.top_k, a.seed)
+    target, model = load_target_and_drafter(a.target, a.drafter, a.mode)
+    drafter = TorchDrafter(model, a.block_size) if model is not None else None
+    prompt_ids = _encode(target.tokenizer, a.prompt, a.chat)
+    res = generate(target, drafter, [prompt_ids], a.mode, a.max_new_tokens, sampling)
+    ids = res.token_ids[0]
+    text = target.tokenizer.decode(ids, skip_special_tokens=True)
+    if a.json:
+        print(json.dumps({
+            "mode": a.mode, "target": a.target, "token_ids": ids, "text": text,
+            "acceptance_lengths": res.acceptance_lengths[0], "tau": res.tau, "tokens_per_s": res.tokens_per_s,
+            "rounds": res.rounds, "prefill_s": res.prefill_s, "draft_s": res.draft_s, "verify_s": res.verify_s,
+            "total_s": res.total_s, "finish_reason": res.finish_reasons[0],
+            "block_size": drafter.block_size if drafter else 1}))
+    else:
+        print(text)
+        print(f"[{a.mode}] tau={res.tau:.2f} tokens/s={res.tokens_per_s:.1f} rounds={res.rounds}", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(a.target, a.max_new_tokens, a.num_prompts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dflow-trt", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="decode one prompt with ar, dflash or dflow")
+    g.add_argument("--target", default="smollm2-135m", help="smollm2-135m | tiny-qwen3 | tiny-llama | checkpoint dir")
+    g.add_argument("--drafter", default=None, help="drafter folder (default: the target's shipped one)")
+    g.add_argument("--mode", default="dflow", choices=["ar", "dflash", "dflow"])
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--block-size", type=int, default=None, help="drafter block (default: as trained)")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_sampling(g)
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="the main job: all three modes on the embedded target, tau and tokens/s")
+    d.add_argument("--target", default="smollm2-135m")
+    d.add_argument("--max-new-tokens", type=int, default=48)
+    d.add_argument("--num-prompts", type=int, default=3)
+    d.set_defaults(func=cmd_demo)
+    return ap
+
+
+def _quiet_libraries() -> None:
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub: everything is local
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    _quiet_libraries()
+    a = ap.parse_args(argv)
+    try:
+        return a.func(a)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

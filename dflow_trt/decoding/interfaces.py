@@ -1,0 +1,85 @@
+"""The two interfaces the decoding loop sees: a target and a drafter.
+
+Shapes: B = batch rows, S = block length (anchor + drafts), T = prompt length,
+V = target vocabulary, F = flattened tap features (num_taps * target hidden size).
+
+Back ends (PyTorch, ONNX Runtime, TensorRT-LLM) implement these; the loop never looks behind them.
+State lives in explicit objects (`TargetCache`, drafter state) so one loaded model serves many
+requests at once, each with its own state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What a drafter must agree with to be used against this target."""
+
+    name: str
+    fingerprint: str  # hash of architecture + embedding weights; drafters record it
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    tap_layers: tuple[int, ...]  # decoder layer indices whose *output* is tapped
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [B, S, V] float32
+    taps: torch.Tensor  # [B, S, F] concatenated tap hidden states at those positions
+
+
+class Target(Protocol):
+    info: TargetInfo
+
+    def prefill(self, input_ids: torch.Tensor, prompt_lens: torch.Tensor) -> tuple[Any, TargetOutput]:
+        """Run left-padded prompts [B, T] (true lengths [B]); return (cache, output over all T).
+
+        The cache then holds every prompt position; padding slots are masked for good.
+        """
+
+    def verify(self, cache: Any, block_ids: torch.Tensor) -> TargetOutput:
+        """Append block_ids [B, S] at each row's next positions; return their logits and taps."""
+
+    def commit(self, cache: Any, num_kept: torch.Tensor) -> None:
+        """Keep the first num_kept[b] (>= 1) slots of the last verified block; drop the rest."""
+
+
+@dataclass
+class FlowState:
+    """Verifier state at the previous round's rejected positions, aligned with the next block.
+
+    Block position j of the next round sits at absolute position L' + j; if the previous verify
+    covered that position with a rejected draft, `valid[b, j]` is True and `taps[b, j]`,
+    `token_ids[b, j]` are the target's hidden states there and the rejected token it read.
+    """
+
+    taps: torch.Tensor  # [B, S, F]
+    token_ids: torch.Tensor  # [B, S] long (0 where not valid)
+    valid: torch.Tensor  # [B, S] bool
+
+
+@dataclass
+class Proposal:
+    draft_ids: torch.Tensor  # [B, S-1] target vocabulary ids
+    draft_probs: torch.Tensor | None  # [B, S-1, V] the distribution drafts were sampled from (None: greedy)
+
+
+class Drafter(Protocol):
+    block_size: int  # S: anchor + (S-1) drafts
+    uses_flow: bool
+
+    def new_state(self, batch_size: int) -> Any:
+        """Empty per-request state (context KV cache)."""
+
+    def draft(self, state: Any, context_taps: torch.Tensor, context_lens: torch.Tensor,
+              anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, flow: FlowState | None,
+              sampler: "Any") -> Proposal:
+        """Append newly committed context (taps [B, N, F], first context_lens[b] rows valid) to the
+        state, then propose S-1 tokens after anchor_ids [B] at absolute positions anchor_pos [B]."""

@@ -1,0 +1,154 @@
+"""The speculative decoding loop: one function for `ar`, `dflash` and `dflow`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..errors import UserError
+from .acceptance import greedy_accept, rejection_sample
+from .flow import carry_flow, right_align
+from .interfaces import Drafter, FlowState, Target
+from .sampling import SamplingParams, pick, processed_probs
+
+MODES = ("ar", "dflash", "dflow")
+
+
+@dataclass
+class RoundEvent:
+    """What one round committed, per row (empty list for finished rows)."""
+
+    round: int
+    new_tokens: list[list[int]]
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[list[int]]  # generated tokens per row (prompt excluded, stop token included)
+    acceptance_lengths: list[list[int]]  # tokens committed per target forward, per row and round
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+    rounds: int = 0
+    finish_reasons: list[str] = field(default_factory=list)  # "stop" | "length"
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length over all rows' rounds."""
+        flat = [a for row in self.acceptance_lengths for a in row]
+        return sum(flat) / len(flat) if flat else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        n = sum(len(r) for r in self.token_ids)
+        return n / self.total_s if self.total_s > 0 else 0.0
+
+
+def _pad_left(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    T = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p):] = torch.tensor(p, dtype=torch.long)
+    return ids, torch.tensor([len(p) for p in prompts])
+
+
+@torch.inference_mode()
+def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], mode: str = "dflow",
+             max_new_tokens: int = 64, sampling: SamplingParams = SamplingParams(),
+             stop_token_ids: tuple[int, ...] | None = None,
+             on_round: Callable[[RoundEvent], bool | None] | None = None) -> GenerationResult:
+    """Decode `prompts` (lists of token ids) with the target, speculatively unless mode == "ar".
+
+    Invariant at the top of every round, per row b with n_b generated tokens:
+    - committed = prompt + generated; the last generated token is the *anchor*, not yet seen by
+      the target; the target cache holds exactly the committed positions before the anchor
+      (its next position is anchor_pos[b] = prompt_len + n_b - 1);
+    - the drafter context holds the tap states of those same positions; `new_ctx` holds the ones
+      it has not been given yet;
+    - in `dflow` mode `flow` holds the previous verify pass's states at its rejected positions,
+      aligned with the coming block (see flow.py); nothing else of a rejected draft survives.
+    Greedy output equals the target's own greedy decoding; sampled output has its distribution.
+    `on_round` sees each round's committed tokens; returning True cancels the generation.
+    """
+    if mode not in MODES:
+        raise UserError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise UserError("empty prompt: give at least one token")
+    if max_new_tokens < 1:
+        raise UserError(f"max new tokens must be >= 1, got {max_new_tokens}")
+    if mode != "ar" and drafter is None:
+        raise UserError(f"mode {mode!r} needs a drafter")
+    if mode == "dflow" and not drafter.uses_flow:
+        raise UserError("this drafter was built without flow conditioning; use --mode dflash or a DFlow drafter")
+    speculative = mode != "ar"
+    stop = set(target.info.eos_token_ids if stop_token_ids is None else stop_token_ids)
+    gen = sampling.generator("cpu")
+    t_start = time.perf_counter()
+
+    B = len(prompts)
+    ids, lens = _pad_left(prompts, pad_id=0)
+    cache, out = target.prefill(ids, lens)
+    first = pick(out.logits[:, -1], sampling, gen)  # [B]
+    prefill_s = time.perf_counter() - t_start
+
+    tokens: list[list[int]] = [[t] for t in first.tolist()]
+    accept_lens: list[list[int]] = [[] for _ in range(B)]
+    done = [t[0] in stop or max_new_tokens <= 1 for t in tokens]
+    reasons = ["stop" if tokens[b][0] in stop else "length" for b in range(B)]
+    if on_round is not None and on_round(RoundEvent(0, [list(t) for t in tokens])):
+        done = [True] * B
+
+    anchor, anchor_pos = first, lens.clone()
+    dstate = drafter.new_state(B, gen) if speculative else None
+    new_ctx, new_ctx_lens = right_align(out.taps, lens), lens.clone()
+    flow: FlowState | None = None
+    draft_s = verify_s = 0.0
+    rounds = 0
+    while not all(done):
+        rounds += 1
+        t0 = time.perf_counter()
+        if speculative:
+            prop = drafter.draft(dstate, new_ctx, new_ctx_lens, anchor, anchor_pos,
+                                 flow if mode == "dflow" else None, sampling)
+            block = torch.cat([anchor[:, None], prop.draft_ids.to(anchor.device)], 1)  # [B, S]
+        else:
+            block = anchor[:, None]  # [B, 1]
+        t1 = time.perf_counter()
+        out = target.verify(cache, block)
+        if not speculative:
+            num_acc, nxt = torch.zeros(B, dtype=torch.long), pick(out.logits[:, 0], sampling, gen)
+        elif sampling.greedy:
+            num_acc, nxt = greedy_accept(block[:, 1:], out.logits)
+        else:
+            num_acc, nxt = rejection_sample(block[:, 1:], prop.draft_probs, processed_probs(out.logits, sampling), gen)
+        target.commit(cache, num_acc + 1)
+        if speculative:
+            new_ctx, new_ctx_lens = out.taps, num_acc + 1  # committed slots are the block's first a+1
+            if mode == "dflow":
+                flow = carry_flow(block, out.taps, num_acc)
+        verify_s += time.perf_counter() - t1
+        draft_s += t1 - t0
+
+        acc, nxt_l, blk = num_acc.tolist(), nxt.tolist(), block.tolist()  # one host sync per round
+        committed: list[list[int]] = [[] for _ in range(B)]
+        for b in range(B):
+            if done[b]:
+                continue
+            accept_lens[b].append(acc[b] + 1)
+            for t in blk[b][1:acc[b] + 1] + [nxt_l[b]]:
+                committed[b].append(t)
+                tokens[b].append(t)
+                if t in stop or len(tokens[b]) >= max_new_tokens:
+                    done[b], reasons[b] = True, "stop" if t in stop else "length"
+                    break
+        anchor, anchor_pos = nxt, anchor_pos + num_acc + 1
+        if on_round is not None and on_round(RoundEvent(rounds, committed)):
+            break
+    return GenerationResult(token_ids=tokens, acceptance_lengths=accept_lens, prefill_s=prefill_s,
+                            draft_s=draft_s, verify_s=verify_s, total_s=time.perf_counter() - t_start,
+                            rounds=rounds, finish_reasons=reasons)
+

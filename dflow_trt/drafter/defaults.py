@@ -1,0 +1,55 @@
+"""Which drafter a mode uses when none is given: the shipped one, else a seeded untrained one."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..errors import UserError
+from ..targets import SHIPPED_DRAFTERS, load_target, preset
+from ..targets.hf_target import HFTarget
+from .config import DrafterConfig
+from .io import build_drafter, load_drafter, read_config
+from .model import DFlowDrafter
+
+DEFAULT_NUM_TAPS = 3
+
+
+def untrained_config(target: HFTarget, flow: bool, block_size: int = 16, num_layers: int = 1) -> DrafterConfig:
+    """Drafter sized like DFlash's: attention geometry and MLP width of the target."""
+    c = target.model.config
+    p = preset(target.info.name)
+    mask = p.mask_token_id if p and p.mask_token_id is not None else c.vocab_size - 1
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return DrafterConfig.for_target(
+        target.info, mask_token_id=mask, block_size=block_size, num_layers=num_layers,
+        num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=head_dim,
+        intermediate_size=c.intermediate_size, rms_norm_eps=c.rms_norm_eps,
+        rope_theta=float((getattr(c, "rope_parameters", None) or {}).get("rope_theta", 1e4)), flow=flow)
+
+
+def shipped_drafter_path(target_name: str, mode: str) -> Path | None:
+    p = preset(target_name)
+    if p is None or mode not in p.default_drafters:
+        return None
+    path = SHIPPED_DRAFTERS / p.default_drafters[mode]
+    return path if (path / "config.json").is_file() else None
+
+
+def load_target_and_drafter(target_spec: str, drafter_path: str | None, mode: str,
+                            device: str = "cpu", warn=lambda m: print(m, file=sys.stderr)
+                            ) -> tuple[HFTarget, DFlowDrafter | None]:
+    """Resolve --target/--drafter/--mode into a target tapping what the drafter reads, and the drafter."""
+    if mode == "ar":
+        return load_target(target_spec, num_taps=0, device=device), None
+    path = Path(drafter_path) if drafter_path else shipped_drafter_path(target_spec, mode)
+    if path is not None:
+        if not path.exists():
+            raise UserError(f"drafter {path} does not exist; pass a folder written by `dflow-trt train` or omit --drafter")
+        cfg = read_config(path)
+        target = load_target(target_spec, tap_layers=cfg.tap_layers, device=device)
+        return target, load_drafter(path, target)
+    warn(f"warning: no trained {mode} drafter for {target_spec}; using a seeded untrained drafter "
+         f"(expect tau ~ 1); train one with `dflow-trt train --target {target_spec}`")
+    target = load_target(target_spec, num_taps=DEFAULT_NUM_TAPS, device=device)
+    return target, build_drafter(target, untrained_config(target, flow=(mode == "dflow")), seed=0)

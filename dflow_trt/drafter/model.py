@@ -1,0 +1,149 @@
+"""The block-diffusion drafter (DFlash architecture) with DFlow's flow conditioning as a switch.
+
+How it works. The block is [anchor, mask, ..., mask] at absolute positions L..L+S-1, embedded with
+the target's own (frozen) input embeddings. Context features (the target's tap hidden states at
+committed positions, concatenated) go through `ctx_proj` + RMSNorm and then through every layer's
+k/v projections, so block queries attend [context K/V ; block K/V]: the context strictly before the
+anchor, both ways inside the block. The output at block position k predicts the token at L+k
+through the target's (frozen) LM head, restricted to a draft vocabulary if one is configured.
+
+DFlow (`flow=True`) adds, at block positions the previous verify pass already covered with a
+rejected draft, the projected verifier states there plus the embedding of the rejected token and a
+learned "flow present" vector; other positions get a learned "no flow" vector. With `flow=False`
+none of these parameters exist and the model is DFlash.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import DrafterConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding of x [B, H, N, D] at absolute positions pos [B, N]."""
+    D = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D))  # [D/2]
+    ang = pos.to(torch.float32)[:, None, :, None] * inv  # [B, 1, N, D/2]
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)  # [B, 1, N, D]
+    x1, x2 = x[..., : D // 2], x[..., D // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.h, self.hkv, self.d, self.theta = c.num_heads, c.num_kv_heads, c.head_dim, c.rope_theta
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of x [B, N, H] at positions [B, N] -> two [B, Hkv, N, D]."""
+        B, N, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, N, self.hkv, self.d)).transpose(1, 2)
+        v = self.v_proj(x).view(B, N, self.hkv, self.d).transpose(1, 2)
+        return rope(k, pos, self.theta), v
+
+    def forward(self, x, pos, ctx_k, ctx_v, mask):
+        """x [B, Q, H] at pos [B, Q]; ctx_k/v [B, Hkv, C, D]; mask [B, Q, C+Q] bool (True: attend)."""
+        B, Q, _ = x.shape
+        q = rope(self.q_norm(self.q_proj(x).view(B, Q, self.h, self.d)).transpose(1, 2), pos, self.theta)
+        k, v = self.kv(x, pos)
+        k, v = torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2)  # [B, Hkv, C+Q, D]
+        rep = self.h // self.hkv
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)  # [B, H, C+Q, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])  # [B, H, Q, D]
+        return self.o_proj(o.transpose(1, 2).reshape(B, Q, self.h * self.d))
+
+
+class Layer(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x, pos, ctx_k, ctx_v, mask):
+        x = x + self.self_attn(self.input_layernorm(x), pos, ctx_k, ctx_v, mask)
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class DFlowDrafter(nn.Module):
+    """Block drafter. Embeddings and LM head are the target's, frozen, and never saved with it."""
+
+    def __init__(self, config: DrafterConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+        super().__init__()
+        c = self.config = config
+        assert embed_weight.shape == (c.target.vocab_size, c.hidden_size), embed_weight.shape
+        # Shared target weights: buffers (not parameters) so they are neither trained nor saved.
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
+        self.ctx_proj = nn.Linear(c.feature_size, c.hidden_size, bias=False)
+        self.ctx_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(Layer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.flow:
+            self.flow_proj = nn.Linear(c.feature_size, c.hidden_size, bias=False)
+            self.flow_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.flow_tok_proj = nn.Linear(c.hidden_size, c.hidden_size, bias=False)
+            self.flow_present = nn.Parameter(torch.zeros(c.hidden_size))
+            self.no_flow = nn.Parameter(torch.zeros(c.hidden_size))
+        # Draft vocabulary: target ids the drafter may propose (all of them by default).
+        vd = c.draft_vocab_size or c.target.vocab_size
+        self.register_buffer("draft_vocab", torch.arange(vd), persistent=c.draft_vocab_size is not None)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+
+    # ---- pieces used by inference (per round) and training (many blocks at once) ----
+
+    def context_kv(self, ctx_taps: torch.Tensor, ctx_pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Context features [B, N, F] at positions [B, N] -> per layer (k, v), each [B, Hkv, N, D]."""
+        x = self.ctx_norm(self.ctx_proj(ctx_taps))  # [B, N, H]
+        return [layer.self_attn.kv(x, ctx_pos) for layer in self.layers]
+
+    def block_inputs(self, block_ids: torch.Tensor, flow_taps: torch.Tensor | None = None,
+                     flow_ids: torch.Tensor | None = None, flow_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Embeddings of block tokens [B, Q] plus flow conditioning -> [B, Q, H]."""
+        x = F.embedding(block_ids, self.embed_weight)  # [B, Q, H]
+        if not self.config.flow:
+            return x
+        if flow_valid is None:
+            return x + self.no_flow
+        flow = self.flow_norm(self.flow_proj(flow_taps)) + self.flow_tok_proj(F.embedding(flow_ids, self.embed_weight))
+        m = flow_valid[..., None].to(x.dtype)  # [B, Q, 1]
+        return x + m * (flow + self.flow_present) + (1 - m) * self.no_flow
+
+    def hidden(self, x: torch.Tensor, pos: torch.Tensor, ctx_kv, mask: torch.Tensor) -> torch.Tensor:
+        """Run the layers: x [B, Q, H] at pos [B, Q], mask [B, Q, C+Q] -> normed hidden [B, Q, H]."""
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer(x, pos, k, v, mask)
+        return self.norm(x)
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Hidden [..., H] -> logits over the draft vocabulary [..., Vd]."""
+        w = self.lm_head_weight if self.config.draft_vocab_size is None else self.lm_head_weight[self.draft_vocab]
+        return h @ w.T

@@ -1,0 +1,90 @@
+"""PyTorch drafter back end: the `Drafter` interface over `DFlowDrafter`, with a context KV cache.
+
+Per request the state holds each layer's context K/V, right-padded: row b's first `lens[b]` slots
+are its committed positions 0..lens[b]-1. Each round appends only the newly committed positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UserError
+from ..decoding.interfaces import FlowState, Proposal
+from ..decoding.sampling import SamplingParams, processed_probs, sample
+from .model import DFlowDrafter
+
+
+@dataclass
+class DrafterState:
+    k: list[torch.Tensor]  # per layer [B, Hkv, cap, D]
+    v: list[torch.Tensor]
+    lens: torch.Tensor  # [B] valid context slots per row
+    generator: torch.Generator | None = None
+
+
+class TorchDrafter:
+    def __init__(self, model: DFlowDrafter, block_size: int | None = None):
+        """`block_size` may differ from the trained one: the drafter is block-length agnostic."""
+        self.model = model.eval()
+        self.config = model.config
+        self.block_size = block_size or model.config.block_size
+        if self.block_size < 2:
+            raise UserError(f"block size must be at least 2 (anchor + one draft), got {self.block_size}")
+        self.uses_flow = model.config.flow
+
+    @property
+    def device(self):
+        return self.model.embed_weight.device
+
+    def new_state(self, batch_size: int, generator: torch.Generator | None = None) -> DrafterState:
+        c = self.config
+        empty = lambda: torch.zeros(batch_size, c.num_kv_heads, 0, c.head_dim, device=self.device)  # noqa: E731
+        return DrafterState(k=[empty() for _ in range(c.num_layers)], v=[empty() for _ in range(c.num_layers)],
+                            lens=torch.zeros(batch_size, dtype=torch.long, device=self.device), generator=generator)
+
+    def _append(self, st: DrafterState, taps: torch.Tensor, lens: torch.Tensor) -> None:
+        B, N, _ = taps.shape
+        if N == 0:
+            return
+        pos = st.lens[:, None] + torch.arange(N, device=self.device)  # [B, N]
+        new = self.model.context_kv(taps.to(self.device), pos)
+        need = int((st.lens + lens).max())
+        rows, cols = (torch.arange(N, device=self.device)[None, :] < lens[:, None]).nonzero(as_tuple=True)
+        dest = st.lens[rows] + cols
+        for i, (k, v) in enumerate(new):
+            for buf, val in ((st.k, k), (st.v, v)):
+                if buf[i].shape[2] < need:  # grow geometrically, so appends stay cheap
+                    grown = buf[i].new_zeros(B, buf[i].shape[1], max(need, 2 * buf[i].shape[2]), buf[i].shape[3])
+                    grown[:, :, : buf[i].shape[2]] = buf[i]
+                    buf[i] = grown
+                buf[i][rows, :, dest] = val[rows, :, cols]
+        st.lens = st.lens + lens
+
+    @torch.inference_mode()
+    def draft(self, state: DrafterState, context_taps: torch.Tensor, context_lens: torch.Tensor,
+              anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, flow: FlowState | None,
+              sampler: SamplingParams) -> Proposal:
+        self._append(state, context_taps, context_lens.to(self.device))
+        assert torch.equal(state.lens, anchor_pos.to(self.device)), "drafter context must end right before the anchor"
+        B, S, m = anchor_ids.shape[0], self.block_size, self.model
+        block = torch.full((B, S), self.config.mask_token_id, dtype=torch.long, device=self.device)
+        block[:, 0] = anchor_ids
+        pos = state.lens[:, None] + torch.arange(S, device=self.device)  # [B, S]
+        if flow is not None and self.uses_flow:
+            x = m.block_inputs(block, flow.taps.to(self.device), flow.token_ids.to(self.device), flow.valid.to(self.device))
+        else:
+            x = m.block_inputs(block)
+        C = int(state.lens.max())
+        ctx_mask = torch.arange(C, device=self.device)[None, :] < state.lens[:, None]  # [B, C]
+        mask = torch.cat([ctx_mask[:, None, :].expand(B, S, C), ctx_mask.new_ones(B, S, S)], -1)  # [B, S, C+S]
+        kv = [(k[:, :, :C], v[:, :, :C]) for k, v in zip(state.k, state.v)]
+        logits = m.draft_logits(m.hidden(x, pos, kv, mask)[:, 1:])  # [B, S-1, Vd]
+        if sampler.greedy:
+            return Proposal(draft_ids=m.draft_vocab[logits.argmax(-1)], draft_probs=None)
+        probs_d = processed_probs(logits, sampler)  # [B, S-1, Vd]
+        ids_d = sample(probs_d, state.generator)
+        probs = probs_d.new_zeros(B, S - 1, self.config.target.vocab_size)
+        probs[..., m.draft_vocab] = probs_d
+        return Proposal(draft_ids=m.draft_vocab[ids_d], draft_probs=probs)

@@ -1,0 +1,73 @@
+"""Named targets and local checkpoints, loaded as `HFTarget`s.
+
+- `smollm2-135m`: the embedded real default (see `smollm2.py`).
+- `tiny-qwen3`, `tiny-llama`: seeded random-init models for tests.
+- any local Hugging Face checkpoint folder, by path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+from .hf_target import HFTarget, default_tap_layers
+
+SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
+
+
+@dataclass(frozen=True)
+class TargetPreset:
+    mask_token_id: int | None  # a reserved id the drafter uses for masked block positions
+    default_drafters: dict[str, str]  # mode -> drafter folder name under dflow_trt/drafters/
+
+
+PRESETS = {
+    "smollm2-135m": TargetPreset(mask_token_id=16,  # <empty_output>, unused in chat
+                                 default_drafters={"dflash": "smollm2-135m-dflash", "dflow": "smollm2-135m-dflow"}),
+    "tiny-qwen3": TargetPreset(mask_token_id=257, default_drafters={}),  # <|mask|>
+    "tiny-llama": TargetPreset(mask_token_id=257, default_drafters={}),
+}
+TARGET_NAMES = tuple(PRESETS)
+
+
+def _eos_ids(model, tokenizer) -> tuple[int, ...]:
+    ids: list[int] = []
+    for src in (getattr(model, "generation_config", None), model.config):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        ids += list(e) if isinstance(e, (list, tuple)) else ([e] if e is not None else [])
+    return tuple(dict.fromkeys(ids))
+
+
+def load_target(spec: str, tap_layers: tuple[int, ...] | None = None, num_taps: int = 1,
+                cache_dir: Path | None = None, seed: int = 0, device: str = "cpu") -> HFTarget:
+    """Load a target by name or path, tapping `tap_layers` (default: DFlash's spread of num_taps)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if spec == "smollm2-135m":
+        from .smollm2 import ensure_checkpoint
+
+        path = ensure_checkpoint(cache_dir)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    elif spec in ("tiny-qwen3", "tiny-llama"):
+        from .tiny import build_tiny
+
+        model, tokenizer = build_tiny(spec.split("-", 1)[1], seed=seed)
+    elif Path(spec).is_dir():
+        if not (Path(spec) / "config.json").is_file():
+            raise UserError(f"{spec} has no config.json; point --target at a Hugging Face checkpoint folder")
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(spec) if (Path(spec) / "tokenizer_config.json").is_file() else None
+    else:
+        raise UserError(f"unknown target {spec!r}; use one of {', '.join(TARGET_NAMES)} or a checkpoint folder")
+    model = model.to(device)
+    n = model.config.num_hidden_layers
+    taps = tuple(tap_layers) if tap_layers is not None else default_tap_layers(n, num_taps)
+    return HFTarget(model, name=spec, tap_layers=taps, tokenizer=tokenizer, eos_token_ids=_eos_ids(model, tokenizer))
+
+
+def preset(name: str) -> TargetPreset | None:
+    return PRESETS.get(name)

