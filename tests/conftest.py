@@ -1,0 +1,73 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+PROMPTS_TEXT = [
+    "Write a Python function that checks whether a number is prime.",
+    "What is 17 times 23? Show your work.",
+    "Explain why the sky is blue.",
+    "def fibonacci(n):",
+    "Give me three tips for a job interview.",
+    "Translate 'good morning' into French and Spanish.",
+    "A train travels 60 km in 45 minutes. What is its average speed in km/h?",
+    "Summarize the plot of Romeo and Juliet in one sentence.",
+]
+
+
+class OracleDrafter:
+    """Test double for the best case: proposes the target's own greedy continuation.
+
+    `sequences[b]` is prompt + reference output of row b; the draft after the anchor at
+    position p is sequences[b][p+1 : p+S] (padded with 0 past the end).
+    """
+
+    uses_flow = True
+
+    def __init__(self, sequences, block_size):
+        self.sequences, self.block_size = sequences, block_size
+        self.flows = []  # every FlowState it was given, for bookkeeping checks
+
+    def new_state(self, batch_size, generator=None):
+        return None
+
+    def draft(self, state, context_taps, context_lens, anchor_ids, anchor_pos, flow, sampler):
+        from dflow_trt.decoding.interfaces import Proposal
+
+        self.flows.append(flow)
+        rows = []
+        for b, p in enumerate(anchor_pos.tolist()):
+            seq = self.sequences[b]
+            assert seq[p] == int(anchor_ids[b]), "anchor must be the reference token at its position"
+            nxt = seq[p + 1: p + self.block_size]
+            rows.append(nxt + [0] * (self.block_size - 1 - len(nxt)))
+        return Proposal(draft_ids=torch.tensor(rows, dtype=torch.long), draft_probs=None)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3():
+    from dflow_trt.targets import load_target
+
+    return load_target("tiny-qwen3", num_taps=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    from dflow_trt.targets import load_target
+
+    return load_target("tiny-llama", num_taps=2)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from dflow_trt.targets import load_target
+
+    return load_target("smollm2-135m", num_taps=3)
+
+
+def chat_ids(target, text):
+    return target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=True)["input_ids"]
