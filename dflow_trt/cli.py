@@ -66,6 +66,41 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return run_demo(a.target, a.max_new_tokens, a.num_prompts)
 
 
+def cmd_make_data(a: argparse.Namespace) -> int:
+    from .targets import load_target
+    from .training.data import generate_dataset
+
+    target = load_target(a.target, num_taps=0)
+    print(generate_dataset(target, a.data_dir, a.num_prompts, a.max_new_tokens, a.batch_size, seed=a.seed))
+    return 0
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from .training.trainer import TrainConfig, train
+
+    flags = {f.name: getattr(a, f.name) for f in fields(TrainConfig) if getattr(a, f.name, None) is not None}
+    cfg = TrainConfig.from_file(a.config, **flags) if a.config else TrainConfig(**flags)
+    print(train(cfg))
+    return 0
+
+
+def _add_train_flags(p: argparse.ArgumentParser) -> None:
+    from dataclasses import MISSING, fields
+
+    from .training.trainer import TrainConfig
+
+    p.add_argument("--config", default=None, help="JSON file of TrainConfig fields (flags override it)")
+    for f in fields(TrainConfig):
+        kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" ")[0], None)
+        if f.name == "draft_vocab_size":
+            kind = int
+        default = f.default if f.default is not MISSING else None
+        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None,
+                       help=f"(default {default})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dflow-trt", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -87,6 +122,19 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=48)
     d.add_argument("--num-prompts", type=int, default=3)
     d.set_defaults(func=cmd_demo)
+
+    m = sub.add_parser("make-data", help="generate the target's own responses to the training prompts")
+    m.add_argument("--target", default="smollm2-135m")
+    m.add_argument("--data-dir", default="runs/data-smollm2")
+    m.add_argument("--num-prompts", type=int, default=1024)
+    m.add_argument("--max-new-tokens", type=int, default=128)
+    m.add_argument("--batch-size", type=int, default=16)
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(func=cmd_make_data)
+
+    t = sub.add_parser("train", help="train a DFlash or DFlow drafter (resumable; torchrun for DDP)")
+    _add_train_flags(t)
+    t.set_defaults(func=cmd_train)
     return ap
 
 

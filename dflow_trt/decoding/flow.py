@@ -13,8 +13,10 @@ import torch
 from .interfaces import FlowState
 
 
-def carry_flow(block_ids: torch.Tensor, block_taps: torch.Tensor, num_accepted: torch.Tensor) -> FlowState:
-    """block_ids [B, S], block_taps [B, S, F], num_accepted [B] -> FlowState over the next block [B, S]."""
+def carry_flow(block_ids: torch.Tensor, block_taps: torch.Tensor, block_target_ids: torch.Tensor,
+               num_accepted: torch.Tensor) -> FlowState:
+    """Verified block [B, S] (ids, taps [B, S, F], the target's argmax ids) and num_accepted [B]
+    -> FlowState over the next block [B, S]."""
     B, S = block_ids.shape
     src = num_accepted[:, None] + 1 + torch.arange(S, device=block_ids.device)  # [B, S] source slot
     valid = src < S
@@ -22,7 +24,8 @@ def carry_flow(block_ids: torch.Tensor, block_taps: torch.Tensor, num_accepted: 
     taps = block_taps.gather(1, src[..., None].expand(B, S, block_taps.shape[-1]))
     taps = taps * valid[..., None]
     token_ids = block_ids.gather(1, src) * valid
-    return FlowState(taps=taps, token_ids=token_ids, valid=valid)
+    hint_ids = block_target_ids.gather(1, src) * valid
+    return FlowState(taps=taps, token_ids=token_ids, hint_ids=hint_ids, valid=valid)
 
 
 def right_align(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:

@@ -57,11 +57,13 @@ class FlowState:
 
     Block position j of the next round sits at absolute position L' + j; if the previous verify
     covered that position with a rejected draft, `valid[b, j]` is True and `taps[b, j]`,
-    `token_ids[b, j]` are the target's hidden states there and the rejected token it read.
+    `token_ids[b, j]` are the target's hidden states there and the rejected token it read, and
+    `hint_ids[b, j]` the target's argmax there (its guess for position L' + j + 1).
     """
 
     taps: torch.Tensor  # [B, S, F]
     token_ids: torch.Tensor  # [B, S] long (0 where not valid)
+    hint_ids: torch.Tensor  # [B, S] long (0 where not valid)
     valid: torch.Tensor  # [B, S] bool
 
 

@@ -129,7 +129,7 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
         if speculative:
             new_ctx, new_ctx_lens = out.taps, num_acc + 1  # committed slots are the block's first a+1
             if mode == "dflow":
-                flow = carry_flow(block, out.taps, num_acc)
+                flow = carry_flow(block, out.taps, out.logits.argmax(-1), num_acc)
         verify_s += time.perf_counter() - t1
         draft_s += t1 - t0
 

@@ -9,8 +9,10 @@ through the target's (frozen) LM head, restricted to a draft vocabulary if one i
 
 DFlow (`flow=True`) adds, at block positions the previous verify pass already covered with a
 rejected draft, the projected verifier states there plus the embedding of the rejected token and a
-learned "flow present" vector; other positions get a learned "no flow" vector. With `flow=False`
-none of these parameters exist and the model is DFlash.
+learned "flow present" vector; other positions get a learned "no flow" vector. The verifier's
+argmax at flow slot j is its guess for the token at slot j+1, so its embedding (scaled by a
+learned gate) is added one position later; with tied embeddings that is nearly a free draft the
+drafter learns when to trust. With `flow=False` none of these parameters exist: plain DFlash.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..decoding.interfaces import FlowState
 from .config import DrafterConfig
 
 
@@ -108,6 +111,7 @@ class DFlowDrafter(nn.Module):
             self.flow_tok_proj = nn.Linear(c.hidden_size, c.hidden_size, bias=False)
             self.flow_present = nn.Parameter(torch.zeros(c.hidden_size))
             self.no_flow = nn.Parameter(torch.zeros(c.hidden_size))
+            self.hint_gate = nn.Parameter(torch.ones(1))
         # Draft vocabulary: target ids the drafter may propose (all of them by default).
         vd = c.draft_vocab_size or c.target.vocab_size
         self.register_buffer("draft_vocab", torch.arange(vd), persistent=c.draft_vocab_size is not None)
@@ -125,17 +129,22 @@ class DFlowDrafter(nn.Module):
         x = self.ctx_norm(self.ctx_proj(ctx_taps))  # [B, N, H]
         return [layer.self_attn.kv(x, ctx_pos) for layer in self.layers]
 
-    def block_inputs(self, block_ids: torch.Tensor, flow_taps: torch.Tensor | None = None,
-                     flow_ids: torch.Tensor | None = None, flow_valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Embeddings of block tokens [B, Q] plus flow conditioning -> [B, Q, H]."""
+    def block_inputs(self, block_ids: torch.Tensor, flow: FlowState | None = None) -> torch.Tensor:
+        """Embeddings of block tokens [B, Q] plus flow conditioning (fields [B, Q, ...]) -> [B, Q, H].
+
+        Q may hold several blocks side by side (training): a block's last slot never carries flow,
+        so shifting hints by one position never leaks into the next block.
+        """
         x = F.embedding(block_ids, self.embed_weight)  # [B, Q, H]
         if not self.config.flow:
             return x
-        if flow_valid is None:
+        if flow is None:
             return x + self.no_flow
-        flow = self.flow_norm(self.flow_proj(flow_taps)) + self.flow_tok_proj(F.embedding(flow_ids, self.embed_weight))
-        m = flow_valid[..., None].to(x.dtype)  # [B, Q, 1]
-        return x + m * (flow + self.flow_present) + (1 - m) * self.no_flow
+        m = flow.valid[..., None].to(x.dtype)  # [B, Q, 1]
+        state = self.flow_norm(self.flow_proj(flow.taps)) + self.flow_tok_proj(F.embedding(flow.token_ids, self.embed_weight))
+        hint = F.embedding(flow.hint_ids, self.embed_weight) * m  # [B, Q, H]
+        hint = torch.cat([torch.zeros_like(hint[:, :1]), hint[:, :-1]], 1)  # slot j's guess sits at j+1
+        return x + m * (state + self.flow_present) + (1 - m) * self.no_flow + self.hint_gate * hint
 
     def hidden(self, x: torch.Tensor, pos: torch.Tensor, ctx_kv, mask: torch.Tensor) -> torch.Tensor:
         """Run the layers: x [B, Q, H] at pos [B, Q], mask [B, Q, C+Q] -> normed hidden [B, Q, H]."""

@@ -72,10 +72,7 @@ class TorchDrafter:
         block = torch.full((B, S), self.config.mask_token_id, dtype=torch.long, device=self.device)
         block[:, 0] = anchor_ids
         pos = state.lens[:, None] + torch.arange(S, device=self.device)  # [B, S]
-        if flow is not None and self.uses_flow:
-            x = m.block_inputs(block, flow.taps.to(self.device), flow.token_ids.to(self.device), flow.valid.to(self.device))
-        else:
-            x = m.block_inputs(block)
+        x = m.block_inputs(block, flow if self.uses_flow else None)
         C = int(state.lens.max())
         ctx_mask = torch.arange(C, device=self.device)[None, :] < state.lens[:, None]  # [B, C]
         mask = torch.cat([ctx_mask[:, None, :].expand(B, S, C), ctx_mask.new_ones(B, S, S)], -1)  # [B, S, C+S]

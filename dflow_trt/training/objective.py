@@ -1,0 +1,135 @@
+"""Training objectives: DFlash (one prediction per block) and self-conditioned DFlow.
+
+Both train many blocks per sequence in one drafter pass. For a sequence of length T with the
+target's tap states at every position, blocks at anchors L_i are laid side by side as queries
+[nb * S]; a block-sparse mask lets block i see context positions < L_i and itself (both ways),
+never another block. Output k of a block predicts the token at L_i + k (k >= 1), weighted
+exp(-(k-1)/gamma).
+
+Self-conditioned DFlow (DESIGN.md §1): (1) the drafter predicts each block without flow; (2) the
+frozen target runs on [x_L, d_1..d_{S-1}] against the cached prefix K/V — every block in one
+batched pass with a 4D mask (prefix < L_i, causal inside the block) — which gives the verifier's
+states at the predicted positions and the accepted length a; (3) the next round's block starts at
+L + a + 1 with those verifier states at the rejected slots as flow (`carry_flow`, the same
+function inference uses); the loss covers both predictions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from ..decoding.flow import carry_flow
+from ..decoding.interfaces import FlowState
+from ..drafter.model import DFlowDrafter
+from ..targets.hf_target import HFTarget
+
+IGNORE = -100
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor  # [N, T] right-padded token ids
+    lens: torch.Tensor  # [N] sequence lengths
+    prompt_lens: torch.Tensor  # [N]
+
+
+@dataclass
+class BlockStats:
+    loss: torch.Tensor
+    accepted: torch.Tensor  # [num_valid_blocks] greedy accepted drafts per block (teacher-forced context)
+
+
+def sample_anchors(batch: Batch, num_anchors: int, block_size: int, gen: torch.Generator) -> torch.Tensor:
+    """Anchors [N, nb] uniformly inside each response, leaving room for a full block where possible."""
+    lo = batch.prompt_lens
+    hi = torch.maximum(lo, batch.lens - block_size)  # inclusive
+    u = torch.rand(batch.ids.shape[0], num_anchors, generator=gen)
+    return lo[:, None] + (u * (hi - lo + 1)[:, None]).long().clamp(max=(hi - lo)[:, None])
+
+
+def target_states(target: HFTarget, batch: Batch, keep_cache: bool):
+    """Tap states [N, T, F] of the data (and the K/V cache of every position if keep_cache)."""
+    N, T = batch.ids.shape
+    mask = torch.arange(T)[None, :] < batch.lens[:, None]
+    kv = DynamicCache(config=target.model.config) if keep_cache else None
+    with torch.no_grad():
+        out = target.model.model(input_ids=batch.ids, attention_mask=mask.long(), past_key_values=kv,
+                                 use_cache=keep_cache, output_hidden_states=True)
+    taps = torch.cat([out.hidden_states[i + 1] for i in target.info.tap_layers], -1)
+    return taps, kv
+
+
+def _labels(batch: Batch, anchors: torch.Tensor, S: int) -> torch.Tensor:
+    """Tokens at L+1..L+S-1 for each block: [N, nb, S-1] (IGNORE past the sequence end)."""
+    pos = anchors[..., None] + torch.arange(1, S)  # [N, nb, S-1]
+    valid = pos < batch.lens[:, None, None]
+    lab = batch.ids.gather(1, pos.clamp(max=batch.ids.shape[1] - 1).flatten(1)).view_as(pos)
+    return lab.masked_fill(~valid, IGNORE)
+
+
+def drafter_blocks(model: DFlowDrafter, taps: torch.Tensor, batch: Batch, anchors: torch.Tensor,
+                   flow: FlowState | None) -> torch.Tensor:
+    """Logits [N, nb, S-1, Vd] for blocks at anchors [N, nb] (flow: FlowState over [N*nb, S] or None)."""
+    N, T, _ = taps.shape
+    nb, S = anchors.shape[1], model.config.block_size
+    kv = model.context_kv(taps, torch.arange(T).expand(N, T))
+    block = torch.full((N, nb, S), model.config.mask_token_id, dtype=torch.long)
+    block[..., 0] = batch.ids.gather(1, anchors.clamp(max=T - 1))
+    pos = (anchors[..., None] + torch.arange(S)).flatten(1)  # [N, nb*S]
+    if flow is not None:  # [N*nb, S] -> [N, nb*S], the blocks side by side
+        flow = FlowState(taps=flow.taps.view(N, nb * S, -1), token_ids=flow.token_ids.view(N, -1),
+                         hint_ids=flow.hint_ids.view(N, -1), valid=flow.valid.view(N, -1))
+    x = model.block_inputs(block.flatten(1), flow)
+    L = anchors.repeat_interleave(S, 1)  # [N, nb*S]
+    ctx = torch.arange(T)[None, None, :] < L[..., None]  # [N, Q, T]: strictly before the anchor
+    blk = torch.arange(nb).repeat_interleave(S)
+    same = (blk[:, None] == blk[None, :]).expand(N, -1, -1)  # [N, Q, Q]
+    h = model.hidden(x, pos, kv, torch.cat([ctx, same], -1)).view(N, nb, S, -1)
+    return model.draft_logits(h[:, :, 1:])
+
+
+def block_loss(model: DFlowDrafter, logits: torch.Tensor, labels: torch.Tensor, gamma: float,
+               to_draft: torch.Tensor) -> BlockStats:
+    """Position-weighted cross-entropy; labels outside the draft vocabulary count as misses."""
+    S1 = labels.shape[-1]
+    lab_d = to_draft[labels.clamp(min=0)].masked_fill(labels == IGNORE, IGNORE)  # [N, nb, S-1] draft ids or IGNORE
+    w = torch.exp(-torch.arange(S1, dtype=torch.float32) / gamma)  # position k=1.. -> exp(-(k-1)/gamma)
+    ce = F.cross_entropy(logits.flatten(0, -2), lab_d.flatten(), ignore_index=IGNORE, reduction="none").view_as(lab_d)
+    wmask = (lab_d != IGNORE).float() * w
+    loss = (ce * wmask).sum() / wmask.sum().clamp(min=1)
+    with torch.no_grad():
+        pred = model.draft_vocab[logits.argmax(-1)]
+        hit = (pred == labels).long()
+        valid = labels[..., 0] != IGNORE
+        accepted = hit.cumprod(-1).sum(-1)[valid]
+    return BlockStats(loss=loss, accepted=accepted)
+
+
+def verifier_flow(target: HFTarget, kv: DynamicCache, batch: Batch, anchors: torch.Tensor,
+                  drafts: torch.Tensor, labels: torch.Tensor) -> tuple[FlowState, torch.Tensor]:
+    """Run [x_L, d_1..d_{S-1}] through the target for every block at once.
+
+    Returns the flow the next round sees (over [N*nb, S]) and the accepted count a [N, nb].
+    """
+    N, T = batch.ids.shape
+    nb, S = anchors.shape[1], drafts.shape[-1] + 1
+    block = torch.cat([batch.ids.gather(1, anchors.clamp(max=T - 1))[..., None], drafts], -1)  # [N, nb, S]
+    pos = (anchors[..., None] + torch.arange(S)).flatten(1)  # [N, Q]
+    L = anchors.repeat_interleave(S, 1)
+    ctx = (torch.arange(T)[None, None, :] < L[..., None]) & (torch.arange(T)[None, None, :] < batch.lens[:, None, None])
+    blk, j = torch.arange(nb).repeat_interleave(S), torch.arange(S).repeat(nb)
+    causal = ((blk[:, None] == blk[None, :]) & (j[None, :] <= j[:, None])).expand(N, -1, -1)
+    mask = torch.cat([ctx, causal], -1)[:, None]  # [N, 1, Q, T+Q]
+    with torch.no_grad():
+        out = target.model.model(input_ids=block.flatten(1), attention_mask=mask, position_ids=pos,
+                                 past_key_values=kv, use_cache=True, output_hidden_states=True)
+        kv.crop(-nb * S)  # the prefix cache serves the next step's blocks unchanged
+        target_ids = target.model.lm_head(out.last_hidden_state).argmax(-1)  # [N, Q]
+    taps = torch.cat([out.hidden_states[i + 1] for i in target.info.tap_layers], -1)  # [N, Q, F]
+    accepted = (drafts == labels).long().cumprod(-1).sum(-1)  # [N, nb]
+    flow = carry_flow(block.view(N * nb, S), taps.view(N * nb, S, -1), target_ids.view(N * nb, S), accepted.flatten())
+    return flow, accepted

@@ -1,0 +1,263 @@
+"""Drafter trainer: one loop for both objectives (`--objective dflash|dflow`), resumable.
+
+AdamW with linear warm-up then cosine decay, gradient clipping, periodic held-out evaluation of
+τ (teacher-forced: the data are the target's own greedy outputs, so a block's greedy acceptance
+length against them is what decoding would accept), atomic checkpoints every `ckpt_every` steps.
+Under `torchrun` each process trains on its own shard of sequences and DDP averages gradients
+(gloo on CPU, NCCL on CUDA); rank 0 writes checkpoints and logs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from tqdm import tqdm
+
+from ..drafter.defaults import untrained_config
+from ..drafter.io import build_drafter, save_drafter
+from ..drafter.model import DFlowDrafter
+from ..errors import UserError
+from ..targets import load_target
+from ..targets.hf_target import HFTarget
+from .data import Sequence, load_dataset
+from .objective import Batch, _labels, block_loss, drafter_blocks, sample_anchors, target_states, verifier_flow
+
+
+@dataclass
+class TrainConfig:
+    target: str = "smollm2-135m"
+    data_dir: str = "runs/data-smollm2"
+    out_dir: str = "runs/train-dflow"
+    objective: str = "dflow"  # dflash | dflow
+    steps: int = 2000
+    seqs_per_step: int = 4
+    anchors_per_seq: int = 16
+    block_size: int = 16
+    gamma: float = 7.0
+    num_layers: int = 1
+    num_taps: int = 3
+    draft_vocab_size: int | None = 8192
+    max_len: int = 320
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_seqs: int = 24
+    ckpt_every: int = 50
+    seed: int = 0
+    threads: int = 0  # 0: leave torch's default
+
+    def __post_init__(self):
+        if self.objective not in ("dflash", "dflow"):
+            raise UserError(f"unknown objective {self.objective!r}; use dflash or dflow")
+        if self.block_size < 2:
+            raise UserError(f"block size must be at least 2, got {self.block_size}")
+
+    @classmethod
+    def from_file(cls, path: str, **overrides) -> "TrainConfig":
+        try:
+            d = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise UserError(f"cannot read training config {path}: {e}") from None
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise UserError(f"unknown keys in {path}: {sorted(unknown)}")
+        d.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**d)
+
+
+class Objective(nn.Module):
+    """Wraps the drafter so DDP sees one forward per step; the frozen target is not a submodule."""
+
+    def __init__(self, drafter: DFlowDrafter, target: HFTarget, cfg: TrainConfig, to_draft: torch.Tensor):
+        super().__init__()
+        self.drafter, self.target, self.cfg = drafter, target, cfg
+        self.register_buffer("to_draft", to_draft, persistent=False)
+
+    def forward(self, batch: Batch, gen: torch.Generator):
+        """-> (loss, stats of the first prediction, stats of the flow-conditioned one or None)."""
+        c, m = self.cfg, self.drafter
+        dflow = c.objective == "dflow"
+        taps, kv = target_states(self.target, batch, keep_cache=dflow)
+        anchors = sample_anchors(batch, c.anchors_per_seq, c.block_size, gen)  # [N, nb]
+        labels = _labels(batch, anchors, c.block_size)
+        logits = drafter_blocks(m, taps, batch, anchors, None)
+        first = block_loss(m, logits, labels, c.gamma, self.to_draft)
+        if not dflow:
+            return first.loss, first, None
+        drafts = m.draft_vocab[logits.argmax(-1)]  # [N, nb, S-1] what the drafter would propose
+        flow, accepted = verifier_flow(self.target, kv, batch, anchors, drafts, labels)
+        anchors2 = anchors + accepted + 1  # the next round's block starts after the bonus token
+        labels2 = _labels(batch, anchors2, c.block_size)
+        second = block_loss(m, drafter_blocks(m, taps, batch, anchors2, flow), labels2, c.gamma, self.to_draft)
+        return first.loss + second.loss, first, second
+
+
+def _draft_vocab(train: list[Sequence], size: int | None, vocab: int, always: tuple[int, ...]) -> torch.Tensor:
+    """The `size` most frequent tokens of the target's own responses (EAGLE-3's reduced vocabulary)."""
+    if size is None or size >= vocab:
+        return torch.arange(vocab)
+    counts = Counter(t for s in train for t in s.response_ids)
+    ids = list(dict.fromkeys(list(always) + [t for t, _ in counts.most_common()]))[:size]
+    rest = [t for t in range(vocab) if t not in set(ids)]
+    return torch.tensor(sorted(ids + rest[: size - len(ids)]))
+
+
+def _collate(seqs: list[Sequence], max_len: int) -> Batch:
+    T = min(max_len, max(len(s.ids) for s in seqs))
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    lens, plens = [], []
+    for i, s in enumerate(seqs):
+        x = s.ids[:T]
+        ids[i, : len(x)] = torch.tensor(x)
+        lens.append(len(x))
+        plens.append(min(len(s.prompt_ids), len(x) - 1))
+    return Batch(ids=ids, lens=torch.tensor(lens), prompt_lens=torch.tensor(plens))
+
+
+def _lr_at(step: int, cfg: TrainConfig) -> float:
+    warm = max(1, int(cfg.warmup_frac * cfg.steps))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    t = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+def _run_identity(cfg: dict) -> dict:
+    """Settings a resumed run must share (steps may grow; logging cadence may change)."""
+    return {k: v for k, v in cfg.items() if k not in ("steps", "eval_every", "ckpt_every", "threads", "eval_seqs")}
+
+
+def _gather_states(rng_state, gen_state, distributed: bool, world: int) -> list:
+    if not distributed:
+        return [(rng_state, gen_state)]
+    out = [None] * world
+    dist.all_gather_object(out, (rng_state, gen_state))
+    return out
+
+
+def _save_ckpt(path: Path, payload: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def _load_ckpt(path: Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same user problem
+        raise UserError(f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}); "
+                        f"delete it to start over or restore it from a backup") from None
+
+
+@torch.no_grad()
+def evaluate(obj: Objective, heldout: list[Sequence], cfg: TrainConfig) -> dict:
+    """Teacher-forced greedy τ on held-out sequences: without flow, and (DFlow) with flow."""
+    gen = torch.Generator().manual_seed(1234)
+    acc1, acc2 = [], []
+    obj.drafter.eval()
+    for i in range(0, min(len(heldout), cfg.eval_seqs), cfg.seqs_per_step):
+        _, first, second = obj(_collate(heldout[i:i + cfg.seqs_per_step], cfg.max_len), gen)
+        acc1.append(first.accepted)
+        if second is not None:
+            acc2.append(second.accepted)
+    obj.drafter.train()
+    out = {"tau_noflow": 1 + torch.cat(acc1).float().mean().item()}
+    if acc2:
+        out["tau_flow"] = 1 + torch.cat(acc2).float().mean().item()
+    return out
+
+
+def train(cfg: TrainConfig) -> Path:
+    """Train (or resume) a drafter; returns the folder of the saved drafter."""
+    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if distributed and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_path = out / "checkpoint.pt"
+
+    probe = load_target(cfg.target, num_taps=cfg.num_taps, device=device)
+    train_seqs, heldout = load_dataset(Path(cfg.data_dir), probe)
+    dcfg = untrained_config(probe, flow=cfg.objective == "dflow", block_size=cfg.block_size, num_layers=cfg.num_layers)
+    dcfg = type(dcfg)(**{**dcfg.__dict__, "draft_vocab_size": cfg.draft_vocab_size,
+                         "extra": {"name": f"{cfg.target}-{cfg.objective}", "objective": cfg.objective}})
+    drafter = build_drafter(probe, dcfg, seed=cfg.seed)
+    vocab = _draft_vocab(train_seqs, cfg.draft_vocab_size, probe.info.vocab_size, probe.info.eos_token_ids)
+    drafter.draft_vocab.copy_(vocab)
+    to_draft = torch.full((probe.info.vocab_size,), -100, dtype=torch.long)
+    to_draft[drafter.draft_vocab] = torch.arange(drafter.draft_vocab.numel())
+    obj = Objective(drafter, probe, cfg, to_draft).to(device)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    step, log = 0, []
+    rng = random.Random(cfg.seed * 1000 + rank)  # which sequences each step trains on
+    gen = torch.Generator().manual_seed(cfg.seed * 7919 + rank)  # where the anchors fall
+    if ckpt_path.exists():
+        ck = _load_ckpt(ckpt_path)
+        if _run_identity(ck["config"]) != _run_identity(asdict(cfg)) or ck.get("world") != world:
+            raise UserError(f"{ckpt_path} was written by a run with another config or process count; "
+                            f"use another --out-dir or the same settings")
+        drafter.load_state_dict(ck["drafter"])
+        opt.load_state_dict(ck["optimizer"])
+        step, log = ck["step"], ck["log"]
+        rng.setstate(ck["rng"][rank])
+        gen.set_state(ck["gen"][rank])
+        if rank == 0:
+            print(f"resumed from step {step}")
+    model = nn.parallel.DistributedDataParallel(obj, broadcast_buffers=False) if distributed else obj
+    mine = train_seqs[rank::world]
+    bar = tqdm(total=cfg.steps, initial=step, desc=f"train {cfg.objective}", disable=rank != 0)
+    t0 = time.perf_counter()
+    while step < cfg.steps:
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, cfg)
+        batch = _collate(rng.sample(mine, min(cfg.seqs_per_step, len(mine))), cfg.max_len)
+        loss, first, second = model(batch, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        step += 1
+        rec = {"step": step, "loss": loss.item(), "lr": opt.param_groups[0]["lr"], "grad_norm": float(gnorm),
+               "train_tau_noflow": 1 + first.accepted.float().mean().item(), "elapsed_s": time.perf_counter() - t0}
+        if second is not None:
+            rec["train_tau_flow"] = 1 + second.accepted.float().mean().item()
+        if rank == 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
+            rec.update({f"eval_{k}": v for k, v in evaluate(obj, heldout, cfg).items()})
+            bar.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()}))
+        log.append(rec)
+        bar.update(1)
+        bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['train_tau_noflow']:.2f}")
+        if step % cfg.ckpt_every == 0 or step == cfg.steps:
+            states = _gather_states(rng.getstate(), gen.get_state(), distributed, world)
+            if rank == 0:
+                _save_ckpt(ckpt_path, {"config": asdict(cfg), "world": world, "step": step, "log": log,
+                                       "drafter": drafter.state_dict(), "optimizer": opt.state_dict(),
+                                       "rng": [s[0] for s in states], "gen": [s[1] for s in states]})
+    bar.close()
+    final = out / "drafter"
+    if rank == 0:
+        logtxt = "\n".join(json.dumps(r) for r in log) + "\n"
+        save_drafter(drafter, final, extra_files={
+            "training_config.json": json.dumps(asdict(cfg), indent=2) + "\n", "train_log.jsonl": logtxt,
+            "data_manifest.json": (Path(cfg.data_dir) / "manifest.json").read_text()})
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+    return final
