@@ -66,6 +66,17 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return run_demo(a.target, a.max_new_tokens, a.num_prompts)
 
 
+def cmd_bench(a: argparse.Namespace) -> int:
+    from .bench import run_bench
+
+    drafters = {"dflash": a.dflash_drafter, "dflow": a.dflow_drafter}
+    if a.drafter:
+        for m in a.modes.split(","):
+            drafters[m] = a.drafter
+    return run_bench(a.target, drafters, [m for m in a.modes.split(",") if m], a.dataset.split(","), a.num_prompts,
+                     a.max_new_tokens, a.chat, a.block_size, a.json_out, a.plot_out)
+
+
 def cmd_make_data(a: argparse.Namespace) -> int:
     from .targets import load_target
     from .training.data import generate_dataset
@@ -122,6 +133,21 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=48)
     d.add_argument("--num-prompts", type=int, default=3)
     d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="tau, acceptance by position, tokens/s and speedup per mode and dataset")
+    b.add_argument("--target", default="smollm2-135m")
+    b.add_argument("--drafter", default=None, help="one drafter for every drafting mode")
+    b.add_argument("--dflash-drafter", default=None, help="drafter for --mode dflash (default: shipped)")
+    b.add_argument("--dflow-drafter", default=None, help="drafter for --mode dflow (default: shipped)")
+    b.add_argument("--modes", default="ar,dflash,dflow")
+    b.add_argument("--dataset", default="humaneval,mtbench", help="humaneval | mtbench | FILE.jsonl, comma list")
+    b.add_argument("--num-prompts", type=int, default=10)
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--block-size", type=int, default=None)
+    b.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    b.add_argument("--json-out", default=None, help="write the report here (and a PNG plot beside it)")
+    b.add_argument("--plot-out", default=None)
+    b.set_defaults(func=cmd_bench)
 
     m = sub.add_parser("make-data", help="generate the target's own responses to the training prompts")
     m.add_argument("--target", default="smollm2-135m")

@@ -37,19 +37,30 @@ def shipped_drafter_path(target_name: str, mode: str) -> Path | None:
 
 
 def load_target_and_drafter(target_spec: str, drafter_path: str | None, mode: str,
-                            device: str = "cpu", warn=lambda m: print(m, file=sys.stderr)
-                            ) -> tuple[HFTarget, DFlowDrafter | None]:
-    """Resolve --target/--drafter/--mode into a target tapping what the drafter reads, and the drafter."""
+                            device: str = "cpu", warn=lambda m: print(m, file=sys.stderr),
+                            target: HFTarget | None = None) -> tuple[HFTarget, DFlowDrafter | None]:
+    """Resolve --target/--drafter/--mode into a target tapping what the drafter reads, and the drafter.
+
+    `target`, when given, is an already loaded `target_spec` whose weights are reused.
+    """
+    from ..targets.hf_target import default_tap_layers
+
+    def _load(tap_layers=None, num_taps=0):
+        if target is None:
+            return load_target(target_spec, tap_layers=tap_layers, num_taps=num_taps, device=device)
+        taps = tap_layers if tap_layers is not None else default_tap_layers(target.info.num_layers, num_taps)
+        return target.with_taps(tuple(taps))
+
     if mode == "ar":
-        return load_target(target_spec, num_taps=0, device=device), None
+        return _load(), None
     path = Path(drafter_path) if drafter_path else shipped_drafter_path(target_spec, mode)
     if path is not None:
         if not path.exists():
             raise UserError(f"drafter {path} does not exist; pass a folder written by `dflow-trt train` or omit --drafter")
         cfg = read_config(path)
-        target = load_target(target_spec, tap_layers=cfg.tap_layers, device=device)
-        return target, load_drafter(path, target)
+        t = _load(tap_layers=cfg.tap_layers)
+        return t, load_drafter(path, t)
     warn(f"warning: no trained {mode} drafter for {target_spec}; using a seeded untrained drafter "
          f"(expect tau ~ 1); train one with `dflow-trt train --target {target_spec}`")
-    target = load_target(target_spec, num_taps=DEFAULT_NUM_TAPS, device=device)
-    return target, build_drafter(target, untrained_config(target, flow=(mode == "dflow")), seed=0)
+    t = _load(num_taps=DEFAULT_NUM_TAPS)
+    return t, build_drafter(t, untrained_config(t, flow=(mode == "dflow")), seed=0)

@@ -1,0 +1,209 @@
+"""ONNX Runtime back ends: the `Target` and `Drafter` interfaces over the exported graphs.
+
+`OrtTarget` keeps HFTarget's cache semantics: one padded KV cache per request with a per-row
+validity mask over its slots; rejected slots of the last block are masked for good and trailing
+slots no row uses are cropped (an exact crop with one row). `OrtDrafter` keeps TorchDrafter's:
+a compact, right-padded context K/V cache per row (row b's first lens[b] slots), appended with
+only the newly committed positions each round. Tensors cross the interface as torch tensors
+(what the decoding loop uses); the caches live as numpy arrays next to the sessions.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+from ..decoding.interfaces import FlowState, Proposal, TargetInfo, TargetOutput
+from ..decoding.sampling import SamplingParams, processed_probs, sample
+from ..drafter.config import DrafterConfig
+from ..errors import UserError
+from ..export import onnx_drafter, onnx_target
+
+
+def _session(path: Path, threads: int | None = None) -> ort.InferenceSession:
+    if not path.is_file():
+        raise UserError(f"no ONNX graph at {path}; export it with `python scripts/build_engines.py`")
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads or torch.get_num_threads()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _read_meta(path: Path, kind: str) -> dict:
+    if not path.is_file():
+        raise UserError(f"{path} is missing; re-export with `python scripts/build_engines.py`")
+    meta = json.loads(path.read_text())
+    if meta.get("kind") != kind:
+        raise UserError(f"{path} is not a {kind} file; re-export with `python scripts/build_engines.py`")
+    return meta
+
+
+# ---------------------------------------------------------------- target
+
+
+@dataclass
+class OrtCache:
+    kv: list[np.ndarray]  # 2 * layers arrays [B, Hkv, P, D] (key, value, key, value, ...)
+    valid: torch.Tensor  # [B, P] bool: slot holds a committed (or just verified) token
+    next_pos: torch.Tensor  # [B] long: absolute position of each row's next token
+    pending: int = 0  # slots of the last verified block still awaiting commit()
+
+
+class OrtTarget:
+    """Target interface over `target.onnx` (exported by `export.onnx_target`)."""
+
+    def __init__(self, onnx_dir: str | Path, tokenizer=None, threads: int | None = None):
+        d = Path(onnx_dir)
+        self.meta = m = _read_meta(d / onnx_target.META, "dflow_trt-target-onnx")
+        self.session = _session(d / onnx_target.GRAPH, threads)
+        self.tokenizer = tokenizer
+        self.num_layers, self.num_kv_heads, self.head_dim = m["num_layers"], m["num_kv_heads"], m["head_dim"]
+        self.info = TargetInfo(name=m["target"], fingerprint=m["fingerprint"], vocab_size=m["vocab_size"],
+                               hidden_size=m["hidden_size"], num_layers=m["num_layers"],
+                               tap_layers=tuple(m["tap_layers"]), eos_token_ids=tuple(m["eos_token_ids"]))
+        self.input_names, _ = onnx_target.io_names(self.num_layers)
+
+    def _run(self, ids: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor,
+             kv: list[np.ndarray]) -> tuple[TargetOutput, list[np.ndarray]]:
+        feeds = dict(zip(self.input_names, [ids.numpy(), pos.numpy(), valid.numpy(),
+                                            *[np.ascontiguousarray(x) for x in kv]]))
+        logits, taps, *present = self.session.run(None, feeds)
+        return TargetOutput(logits=torch.from_numpy(logits), taps=torch.from_numpy(taps)), present
+
+    def prefill(self, input_ids: torch.Tensor, prompt_lens: torch.Tensor) -> tuple[OrtCache, TargetOutput]:
+        B, T = input_ids.shape
+        input_ids, prompt_lens = input_ids.cpu().long(), prompt_lens.cpu().long()
+        if (prompt_lens < 1).any() or (prompt_lens > T).any():
+            raise UserError("every prompt needs at least one token")
+        valid = torch.arange(T)[None, :] >= (T - prompt_lens)[:, None]  # [B, T]
+        pos = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
+        # the graph needs P >= 1: one masked dummy slot, dropped from the cache afterwards
+        dummy = [np.zeros((B, self.num_kv_heads, 1, self.head_dim), np.float32)] * (2 * self.num_layers)
+        out, present = self._run(input_ids, pos, torch.cat([valid.new_zeros(B, 1), valid], 1), dummy)
+        cache = OrtCache(kv=[x[:, :, 1:] for x in present], valid=valid, next_pos=prompt_lens.clone())
+        return cache, out
+
+    def verify(self, cache: OrtCache, block_ids: torch.Tensor) -> TargetOutput:
+        assert cache.pending == 0, "commit() the previous block before verifying the next"
+        B, S = block_ids.shape
+        pos = cache.next_pos[:, None] + torch.arange(S)  # [B, S]
+        cache.valid = torch.cat([cache.valid, cache.valid.new_ones(B, S)], dim=1)  # [B, P+S]
+        out, cache.kv = self._run(block_ids.cpu().long(), pos, cache.valid, cache.kv)
+        cache.pending = S
+        return out
+
+    def commit(self, cache: OrtCache, num_kept: torch.Tensor) -> None:
+        S = cache.pending
+        num_kept = num_kept.cpu()
+        assert S > 0 and ((num_kept >= 1) & (num_kept <= S)).all()
+        keep = torch.arange(S)[None, :] < num_kept[:, None]  # [B, S]
+        cache.valid[:, -S:] = keep
+        cache.next_pos = cache.next_pos + num_kept
+        cache.pending = 0
+        # The one place the KV cache is cropped: drop trailing slots that no row uses.
+        used = int(cache.valid.any(dim=0).nonzero().max()) + 1
+        if cache.valid.shape[1] > used:
+            cache.kv = [x[:, :, :used] for x in cache.kv]
+            cache.valid = cache.valid[:, :used]
+
+
+# ---------------------------------------------------------------- drafter
+
+
+@dataclass
+class OrtDrafterState:
+    k: list[np.ndarray]  # per layer [B, Hkv, cap, D]; row b's first lens[b] slots are its context
+    v: list[np.ndarray]
+    lens: torch.Tensor  # [B] valid context slots per row
+    generator: torch.Generator | None = None
+
+
+class OrtDrafter:
+    """Drafter interface over `drafter.onnx` (exported by `export.onnx_drafter`)."""
+
+    def __init__(self, onnx_dir: str | Path, block_size: int | None = None, threads: int | None = None):
+        d = Path(onnx_dir)
+        self.meta = m = _read_meta(d / onnx_drafter.META, "dflow_trt-drafter-onnx")
+        self.config = c = DrafterConfig.from_dict(m["config"])
+        self.session = _session(d / onnx_drafter.GRAPH, threads)
+        self.block_size = block_size or c.block_size
+        if self.block_size < 2:
+            raise UserError(f"block size must be at least 2 (anchor + one draft), got {self.block_size}")
+        self.uses_flow = c.flow
+        vd = m["draft_vocab"]
+        self.draft_vocab = torch.tensor(vd) if vd is not None else torch.arange(c.target.vocab_size)  # [Vd]
+        self.input_names, _ = onnx_drafter.io_names(c.num_layers, c.flow)
+
+    def check_target(self, info: TargetInfo) -> None:
+        """Refuse a target other than the one this drafter was exported for (or other taps)."""
+        self.config.check_target(info)
+        if tuple(info.tap_layers) != self.config.tap_layers:
+            raise UserError(f"drafter reads target layers {list(self.config.tap_layers)} but the target taps "
+                            f"{list(info.tap_layers)}; export the target with the drafter's tap layers")
+
+    def new_state(self, batch_size: int, generator: torch.Generator | None = None) -> OrtDrafterState:
+        c = self.config
+        empty = lambda: np.zeros((batch_size, c.num_kv_heads, 1, c.head_dim), np.float32)  # noqa: E731
+        return OrtDrafterState(k=[empty() for _ in range(c.num_layers)], v=[empty() for _ in range(c.num_layers)],
+                               lens=torch.zeros(batch_size, dtype=torch.long), generator=generator)
+
+    def _store(self, st: OrtDrafterState, new: list[np.ndarray], lens: torch.Tensor) -> None:
+        """Scatter row b's first lens[b] new K/V slots after its lens so far (TorchDrafter._append)."""
+        B, N = lens.shape[0], new[0].shape[2]
+        need = int((st.lens + lens).max())
+        rows, cols = (torch.arange(N)[None, :] < lens[:, None]).nonzero(as_tuple=True)
+        rows_np, cols_np, dest = rows.numpy(), cols.numpy(), (st.lens[rows] + cols).numpy()
+        for i in range(self.config.num_layers):
+            for buf, val in ((st.k, new[2 * i]), (st.v, new[2 * i + 1])):
+                if buf[i].shape[2] < need:  # grow geometrically, so appends stay cheap
+                    grown = np.zeros((B, buf[i].shape[1], max(need, 2 * buf[i].shape[2]), buf[i].shape[3]), np.float32)
+                    grown[:, :, : buf[i].shape[2]] = buf[i]
+                    buf[i] = grown
+                buf[i][rows_np, :, dest] = val[rows_np, :, cols_np]
+        st.lens = st.lens + lens
+
+    @torch.inference_mode()
+    def draft(self, state: OrtDrafterState, context_taps: torch.Tensor, context_lens: torch.Tensor,
+              anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, flow: FlowState | None,
+              sampler: SamplingParams) -> Proposal:
+        c, S = self.config, self.block_size
+        context_taps, context_lens = context_taps.cpu().float(), context_lens.cpu().long()
+        B, N = context_taps.shape[:2]
+        if N == 0:  # the graph needs N >= 1: one masked dummy row
+            context_taps, N = context_taps.new_zeros(B, 1, context_taps.shape[2]), 1
+        st = state
+        assert torch.equal(st.lens + context_lens, anchor_pos.cpu()), "drafter context must end right before the anchor"
+        C = max(1, int(st.lens.max()))
+        ctx_pos = st.lens[:, None] + torch.arange(N)  # [B, N]
+        block = torch.full((B, S), c.mask_token_id, dtype=torch.long)
+        block[:, 0] = anchor_ids.cpu()
+        block_pos = (st.lens + context_lens)[:, None] + torch.arange(S)  # [B, S]
+        past_ok = torch.arange(C)[None, :] < st.lens[:, None]  # [B, C]
+        new_ok = torch.arange(N)[None, :] < context_lens[:, None]  # [B, N]
+        keys_ok = torch.cat([past_ok, new_ok, past_ok.new_ones(B, S)], 1)  # [B, C+N+S]
+        feeds = [context_taps.numpy(), ctx_pos.numpy(), block.numpy(), block_pos.numpy(),
+                 keys_ok[:, None, :].expand(B, S, C + N + S).contiguous().numpy()]
+        if c.flow:
+            if flow is None:
+                flow = FlowState(taps=torch.zeros(B, S, c.feature_size), token_ids=torch.zeros(B, S, dtype=torch.long),
+                                 hint_ids=torch.zeros(B, S, dtype=torch.long), valid=torch.zeros(B, S, dtype=torch.bool))
+            feeds += [flow.taps.cpu().float().contiguous().numpy(), flow.token_ids.cpu().long().numpy(),
+                      flow.hint_ids.cpu().long().numpy(), flow.valid.cpu().bool().numpy()]
+        for k, v in zip(st.k, st.v):
+            feeds += [np.ascontiguousarray(k[:, :, :C]), np.ascontiguousarray(v[:, :, :C])]
+        logits, *new = self.session.run(None, dict(zip(self.input_names, feeds)))
+        self._store(st, new, context_lens)
+        logits = torch.from_numpy(logits)  # [B, S-1, Vd]
+        if sampler.greedy:
+            return Proposal(draft_ids=self.draft_vocab[logits.argmax(-1)], draft_probs=None)
+        probs_d = processed_probs(logits, sampler)  # [B, S-1, Vd]
+        ids_d = sample(probs_d, st.generator)
+        probs = probs_d.new_zeros(B, S - 1, c.target.vocab_size)
+        probs[..., self.draft_vocab] = probs_d
+        return Proposal(draft_ids=self.draft_vocab[ids_d], draft_probs=probs)

@@ -1,0 +1,167 @@
+"""`dflow-trt bench`: τ, per-position acceptance, tokens/s and speedup per mode and dataset.
+
+Every mode runs greedy on the same prompts; each mode's tokens are checked against `ar`'s
+(lossless), and the result is a table, a JSON file and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+from .decoding.loop import generate
+from .drafter.defaults import load_target_and_drafter
+from .drafter.runtime import TorchDrafter
+from .errors import UserError
+from .evalsets import load_prompts
+
+MODES = ("ar", "dflash", "dflow")
+
+
+@dataclass
+class ModeRun:
+    tokens: list[list[int]]
+    acceptance: list[int]  # committed tokens per target forward, all prompts' rounds
+    seconds: float
+    drafter: str
+    block_size: int
+
+    @property
+    def tau(self) -> float:
+        return sum(self.acceptance) / max(1, len(self.acceptance))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(len(t) for t in self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+    def position_rates(self) -> list[float]:
+        """P(draft position k is accepted), k = 1..block-1: a round with length a accepted a-1 drafts."""
+        n = max(1, len(self.acceptance))
+        return [sum(a - 1 >= k for a in self.acceptance) / n for k in range(1, self.block_size)]
+
+
+def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if chat:
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=True)["input_ids"])
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def run_mode(target_name: str, drafter_path: str | None, mode: str, prompts: list[list[int]], max_new_tokens: int,
+             block_size: int | None, stop_token_ids=None, warn=print, target=None) -> ModeRun:
+    target, model = load_target_and_drafter(target_name, drafter_path, mode, warn=warn, target=target)
+    drafter = TorchDrafter(model, block_size) if model is not None else None
+    tokens, accept, secs = [], [], 0.0
+    for p in tqdm(prompts, desc=mode, leave=False):
+        r = generate(target, drafter, [p], mode, max_new_tokens, stop_token_ids=stop_token_ids)
+        tokens.append(r.token_ids[0])
+        accept += r.acceptance_lengths[0]
+        secs += r.total_s
+    name = "-" if model is None else model.config.extra.get("name", Path(drafter_path or "untrained").name)
+    return ModeRun(tokens, accept, secs, name, drafter.block_size if drafter else 1)
+
+
+def _summary(runs: dict[str, ModeRun]) -> dict:
+    ar = runs.get("ar")
+    out = {}
+    for mode, r in runs.items():
+        out[mode] = {"tau": r.tau, "tokens_per_s": r.tokens_per_s,
+                     "speedup_vs_ar": r.tokens_per_s / ar.tokens_per_s if ar and ar.tokens_per_s else None,
+                     "matches_ar": (r.tokens == ar.tokens) if ar else None,
+                     "acceptance_by_position": r.position_rates(), "rounds": len(r.acceptance),
+                     "new_tokens": sum(len(t) for t in r.tokens), "seconds": r.seconds,
+                     "drafter": r.drafter, "block_size": r.block_size}
+    return out
+
+
+def _merge(per_dataset: dict[str, dict[str, ModeRun]]) -> dict[str, ModeRun]:
+    merged: dict[str, ModeRun] = {}
+    for runs in per_dataset.values():
+        for mode, r in runs.items():
+            m = merged.setdefault(mode, ModeRun([], [], 0.0, r.drafter, r.block_size))
+            m.tokens += r.tokens
+            m.acceptance += r.acceptance
+            m.seconds += r.seconds
+    return merged
+
+
+def _plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(report["datasets"])
+    modes = [m for m in report["modes"] if m != "ar"]
+    w = 0.8 / max(1, len(modes))
+    for i, m in enumerate(modes):
+        ax1.bar([j + i * w for j in range(len(names))], [report["datasets"][d]["modes"][m]["tau"] for d in names],
+                w, label=m)
+        rates = report["modes"][m]["acceptance_by_position"]
+        ax2.plot(range(1, len(rates) + 1), rates, marker="o", label=m)
+    ax1.set_xticks([j + w * (len(modes) - 1) / 2 for j in range(len(names))], names)
+    ax1.set_ylabel("τ (tokens per target forward)")
+    ax1.set_title("mean acceptance length per dataset")
+    ax1.legend()
+    ax2.set_xlabel("draft position")
+    ax2.set_ylabel("acceptance rate")
+    ax2.set_title("acceptance by position (all datasets)")
+    ax2.legend()
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], datasets: list[str], num_prompts: int,
+              max_new_tokens: int, chat: bool, block_size: int | None, json_out: str | None,
+              plot_out: str | None = None) -> int:
+    console = Console(stderr=False)
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise UserError(f"unknown mode(s) {bad}; use a comma list of {','.join(MODES)}")
+    if num_prompts < 1 or max_new_tokens < 1:
+        raise UserError("--num-prompts and --max-new-tokens must be >= 1")
+    if "ar" not in modes:
+        modes = ["ar", *modes]  # speedup and the lossless check are both measured against ar
+    loaded, _ = load_target_and_drafter(target, None, "ar")
+    per_dataset: dict[str, dict[str, ModeRun]] = {}
+    for ds in datasets:
+        texts = load_prompts(ds)[:num_prompts]
+        ids = [_encode(loaded.tokenizer, t, chat) for t in texts]
+        name = Path(ds).stem if ds.endswith(".jsonl") else ds
+        per_dataset[name] = {m: run_mode(target, drafters.get(m), m, ids, max_new_tokens, block_size,
+                                         warn=lambda s: console.print(f"[yellow]{s}"), target=loaded)
+                             for m in modes}
+    report = {"target": target, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "chat": chat,
+              "decoding": "greedy", "modes": _summary(_merge(per_dataset)),
+              "datasets": {d: {"modes": _summary(r)} for d, r in per_dataset.items()}}
+    for d, r in [*report["datasets"].items(), ("all", report)]:
+        t = Table(title=f"{target} · {d} · greedy · {num_prompts} prompts × {max_new_tokens} tokens")
+        for c in ("mode", "drafter", "block", "τ", "accept pos 1..4", "tokens/s", "speedup", "matches ar"):
+            t.add_column(c, justify="right")
+        for m, s in r["modes"].items():
+            pos = " ".join(f"{x:.2f}" for x in s["acceptance_by_position"][:4]) or "-"
+            t.add_row(m, s["drafter"], str(s["block_size"]), f"{s['tau']:.2f}", pos, f"{s['tokens_per_s']:.1f}",
+                      f"{s['speedup_vs_ar']:.2f}x", "yes" if s["matches_ar"] else "NO")
+        console.print(t)
+    if json_out:
+        out = Path(json_out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        os.replace(tmp, out)
+        _plot(report, Path(plot_out) if plot_out else out.with_suffix(".png"))
+        console.print(f"wrote {out} and {Path(plot_out) if plot_out else out.with_suffix('.png')}")
+    lossless = all(s["matches_ar"] for s in report["modes"].values())
+    if not lossless:
+        console.print("[red]a mode's greedy tokens differ from ar: the decoding is not lossless")
+    return 0 if lossless else 1

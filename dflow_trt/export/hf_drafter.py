@@ -1,0 +1,108 @@
+"""HF-style FP8 checkpoints of a drafter: our own layout, and z-lab's DFlash layout for flow-off drafters.
+
+- `dflow` layout: `model.safetensors` with our tensor names in ModelOpt's FP8 format, `config.json`
+  = our `DrafterConfig` plus a `dflow_config` record (taps, block size, mask token, target),
+  `hf_quant_config.json`. `load_drafter_hf_fp8` reads it back as a plain (dequantized) drafter.
+- `dflash` layout (flow off only): what z-lab's `DFlashDraftModel`, TensorRT-LLM's
+  `DFlashDecodingConfig`, vLLM (`method: dflash`) and SGLang (`DFLASH`) load: a Qwen3-style HF
+  config with `dflash_config` {target_layer_ids, mask_token_id, ...} and `block_size`, tensors named
+  `fc`, `hidden_norm`, `layers.{i}.self_attn.*`, `layers.{i}.mlp.*`, `norm`. No embeddings or LM
+  head (the target's are used). A reduced draft vocabulary has no place in that layout: refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..drafter.config import DrafterConfig
+from ..drafter.model import DFlowDrafter
+from ..errors import UserError
+from .fp8 import HF_QUANT_CONFIG, _atomic_dir, _publish, drafter_fp8_state_dict, write_json
+from .trtllm import drafter_record
+
+_ZLAB = [(r"^ctx_proj\.", "fc."), (r"^ctx_norm\.", "hidden_norm."),
+         (r"^layers\.(\d+)\.(gate_proj|up_proj|down_proj)\.", r"layers.\1.mlp.\2.")]
+
+
+def zlab_name(name: str) -> str:
+    for pat, rep in _ZLAB:
+        name = re.sub(pat, rep, name)
+    return name
+
+
+def dflash_config(drafter: DFlowDrafter, dtype: str = "float32") -> dict:
+    c = drafter.config
+    return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": c.block_size,
+            "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.tap_layers),
+                              "causal": False},
+            "hidden_size": c.hidden_size, "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
+            "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "intermediate_size": c.intermediate_size,
+            "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps, "vocab_size": c.target.vocab_size,
+            "rope_theta": c.rope_theta, "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0,
+            "tie_word_embeddings": False, "torch_dtype": dtype, "num_target_layers": c.target.num_layers,
+            "layer_types": ["full_attention"] * c.num_layers, "max_position_embeddings": 32768,
+            "dflow_config": drafter_record(drafter)}
+
+
+def export_drafter_hf(drafter: DFlowDrafter, out_dir: str | Path, layout: str = "dflow") -> Path:
+    """FP8 (if `drafter` is ModelOpt-quantized) or full-precision HF checkpoint, written atomically."""
+    if layout not in ("dflow", "dflash"):
+        raise ValueError(layout)
+    c = drafter.config
+    if layout == "dflash" and c.flow:
+        raise UserError("z-lab's DFlash layout has no flow conditioning; export a flow-off (dflash) drafter")
+    if layout == "dflash" and c.draft_vocab_size is not None:
+        raise UserError("z-lab's DFlash layout has no reduced draft vocabulary; train with the full vocabulary")
+    quantized = any(hasattr(m, "weight_quantizer") for m in drafter.modules())
+    if quantized:
+        sd = drafter_fp8_state_dict(drafter)
+    else:
+        sd = {k: v.detach().float().contiguous() for k, v in drafter.state_dict().items()
+              if k not in ("embed_weight", "lm_head_weight")}
+    out_dir = Path(out_dir)
+    tmp = _atomic_dir(out_dir)
+    try:
+        if layout == "dflash":
+            sd = {zlab_name(k): v for k, v in sd.items() if k != "draft_vocab"}
+            config = dflash_config(drafter)
+        else:
+            config = {**c.to_dict(), "architectures": ["DFlowDrafter"], "dflow_config": drafter_record(drafter)}
+        if quantized:
+            config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8",
+                                             "ignore": ["lm_head", "embed_tokens"]}
+            write_json(tmp / "hf_quant_config.json", HF_QUANT_CONFIG)
+        save_file(sd, tmp / "model.safetensors", metadata={"format": "pt"})
+        write_json(tmp / "config.json", config)
+        return _publish(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def dequantize_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """FP8 `weight` * `weight_scale` -> fp32 `weight`; scales dropped."""
+    out = {}
+    for k, v in sd.items():
+        if k.endswith((".weight_scale", ".input_scale")):
+            continue
+        if v.dtype == torch.float8_e4m3fn:
+            v = v.float() * sd[k[: -len("weight")] + "weight_scale"].float()
+        out[k] = v
+    return out
+
+
+def load_drafter_hf_fp8(path: str | Path, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> DFlowDrafter:
+    """Read a `dflow`-layout checkpoint back into a (dequantized, unquantized-module) drafter."""
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    config = {k: v for k, v in config.items() if k in DrafterConfig.__dataclass_fields__}
+    model = DFlowDrafter(DrafterConfig.from_dict(config), embed_weight, lm_head_weight)
+    missing, unexpected = model.load_state_dict(dequantize_state_dict(load_file(path / "model.safetensors")), strict=False)
+    if missing or unexpected:
+        raise UserError(f"{path} does not match its config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return model

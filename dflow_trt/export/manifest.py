@@ -1,0 +1,79 @@
+"""The build manifest: what was built from what (source hashes, taps, block size, dtypes, tool
+versions, every artefact's path), and the check loaders run against it."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+TOOLS = ("torch", "transformers", "onnx", "onnxruntime", "onnxscript", "nvidia-modelopt", "safetensors", "tensorrt_llm")
+
+
+def tool_versions() -> dict[str, str | None]:
+    out = {"python": platform.python_version()}
+    for name in TOOLS:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def hash_files(paths: list[Path]) -> str:
+    """sha256 over the files' relative names and bytes (folders: every file inside, sorted)."""
+    h = hashlib.sha256()
+    for p in paths:
+        files = sorted(f for f in Path(p).rglob("*") if f.is_file()) if Path(p).is_dir() else [Path(p)]
+        for f in files:
+            h.update(f.name.encode())
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+    return h.hexdigest()
+
+
+def hash_state_dict(module: torch.nn.Module) -> str:
+    """sha256 over a module's tensors (names, dtypes, shapes, bytes), sorted by name."""
+    h = hashlib.sha256()
+    for k, v in sorted(module.state_dict().items()):
+        t = v.detach().cpu().contiguous()
+        h.update(f"{k}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def write_manifest(build_dir: Path, manifest: dict) -> Path:
+    path = build_dir / MANIFEST
+    tmp = path.with_name(f".{MANIFEST}.tmp")
+    tmp.write_text(json.dumps({"format": FORMAT, **manifest}, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_manifest(build_dir: str | Path) -> dict:
+    path = Path(build_dir) / MANIFEST
+    if not path.is_file():
+        raise UserError(f"no build at {build_dir} (missing {MANIFEST}); run `python scripts/build_engines.py`")
+    m = json.loads(path.read_text())
+    if m.get("format") != FORMAT:
+        raise UserError(f"{path} has format {m.get('format')}, expected {FORMAT}; rebuild with scripts/build_engines.py")
+    return m
+
+
+def check_manifest_target(manifest: dict, fingerprint: str, tap_layers: tuple[int, ...]) -> None:
+    t = manifest["target"]
+    if t["fingerprint"] != fingerprint:
+        raise UserError(f"build was made for target {t['name']!r} (fingerprint {t['fingerprint']}), not this one "
+                        f"({fingerprint}); rebuild with `python scripts/build_engines.py --target ...`")
+    if tuple(t["tap_layers"]) != tuple(tap_layers):
+        raise UserError(f"build taps target layers {t['tap_layers']}, the drafter reads {list(tap_layers)}; "
+                        "rebuild with this drafter (`--drafter PATH`)")

@@ -1,0 +1,76 @@
+"""The real `dflow-trt` command: JSON output, and bad input ending in one line and exit 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dflow_trt.drafter.defaults import untrained_config
+from dflow_trt.drafter.io import build_drafter, save_drafter
+
+
+def _cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "dflow_trt.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _one_line_error(r, *needles):
+    assert r.returncode == 2, r.stderr
+    lines = [x for x in r.stderr.strip().splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    assert "Traceback" not in r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_generate_json_lossless_between_modes():
+    outs = {}
+    for mode in ("ar", "dflash", "dflow"):
+        r = _cli("generate", "--target", "tiny-qwen3", "--mode", mode, "--prompt", "hello world",
+                 "--max-new-tokens", "20", "--block-size", "4", "--json")
+        assert r.returncode == 0, r.stderr
+        outs[mode] = json.loads(r.stdout)
+        for key in ("token_ids", "text", "acceptance_lengths", "tau", "tokens_per_s"):
+            assert key in outs[mode]
+    assert outs["dflash"]["token_ids"] == outs["ar"]["token_ids"] == outs["dflow"]["token_ids"]
+    assert len(outs["ar"]["token_ids"]) <= 20
+    assert sum(outs["dflow"]["acceptance_lengths"]) == len(outs["dflow"]["token_ids"])
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--target", "no-such-target", "--prompt", "hi"], ["no-such-target"]),
+    (["--target", "tiny-qwen3", "--drafter", "/nonexistent/drafter", "--prompt", "hi"], ["does not exist"]),
+    (["--target", "tiny-qwen3", "--block-size", "1", "--prompt", "hi"], ["--block-size"]),
+    (["--target", "tiny-qwen3", "--prompt", ""], ["empty prompt"]),
+    (["--target", "tiny-qwen3", "--max-new-tokens", "0", "--prompt", "hi"], ["--max-new-tokens"]),
+])
+def test_generate_bad_input(args, needles):
+    _one_line_error(_cli("generate", "--mode", "dflow", *args), *needles)
+
+
+def test_drafter_for_another_target_is_refused(tmp_path, tiny_llama):
+    model = build_drafter(tiny_llama, untrained_config(tiny_llama, flow=True, block_size=4), seed=0)
+    path = save_drafter(model, tmp_path / "llama-drafter")
+    _one_line_error(_cli("generate", "--target", "tiny-qwen3", "--drafter", str(path), "--prompt", "hi"),
+                    "built for target", "--target tiny-llama")
+
+
+def test_bench_reports_every_mode(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "abc"}\n{"prompt": "hello there"}\n')
+    out = tmp_path / "bench.json"
+    r = _cli("bench", "--target", "tiny-qwen3", "--dataset", str(prompts), "--num-prompts", "2",
+             "--max-new-tokens", "12", "--block-size", "4", "--json-out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(out.read_text())
+    for mode in ("ar", "dflash", "dflow"):
+        s = rep["modes"][mode]
+        assert s["matches_ar"] is True
+        assert s["tau"] >= 1 and s["tokens_per_s"] > 0 and s["speedup_vs_ar"] > 0
+    assert len(rep["modes"]["dflow"]["acceptance_by_position"]) == 3
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_bench_bad_dataset():
+    _one_line_error(_cli("bench", "--target", "tiny-qwen3", "--dataset", "nope"), "unknown dataset")

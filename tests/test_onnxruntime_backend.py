@@ -1,0 +1,77 @@
+"""The unchanged decoding loop on the ONNX Runtime back ends equals the torch back end, token for token."""
+
+import pytest
+import torch
+
+from conftest import PROMPTS_TEXT, OracleDrafter, chat_ids
+from onnx_cache import exported_drafter, exported_target
+from dflow_trt.backends.onnxruntime import OrtDrafter, OrtTarget
+from dflow_trt.decoding.interfaces import Proposal
+from dflow_trt.decoding.loop import generate
+from dflow_trt.drafter.runtime import TorchDrafter
+from dflow_trt.errors import UserError
+
+
+class NoisyOracle(OracleDrafter):
+    """The target's own continuation with seeded corruptions: rows accept different lengths."""
+
+    def __init__(self, sequences, block_size, vocab, seed=0):
+        super().__init__(sequences, block_size)
+        self.g, self.vocab = torch.Generator().manual_seed(seed), vocab
+
+    def draft(self, *args):
+        ids = super().draft(*args).draft_ids
+        bad = torch.rand(ids.shape, generator=self.g) < 0.25
+        return Proposal(draft_ids=torch.where(bad, (ids + 1) % self.vocab, ids), draft_probs=None)
+
+
+def _prompts(target, n):
+    return [chat_ids(target, t) for t in PROMPTS_TEXT[:n]]
+
+
+def _check_lossless(target, ort_target, drafters, prompts, max_new, blocks):
+    ar = generate(target, None, prompts, "ar", max_new, stop_token_ids=())
+    assert generate(ort_target, None, prompts, "ar", max_new, stop_token_ids=()).token_ids == ar.token_ids
+    for flow, (model, folder) in drafters.items():
+        for S in blocks:
+            for mode in ("dflash", "dflow") if flow else ("dflash",):
+                ref = generate(target, TorchDrafter(model, S), prompts, mode, max_new, stop_token_ids=())
+                got = generate(ort_target, OrtDrafter(folder, S), prompts, mode, max_new, stop_token_ids=())
+                assert ref.token_ids == ar.token_ids, (mode, S)
+                assert got.token_ids == ref.token_ids, (mode, S)
+                assert got.acceptance_lengths == ref.acceptance_lengths, (mode, S)
+    return ar
+
+
+def test_ort_lossless_tiny_qwen3(tiny_qwen3):
+    ort_target = OrtTarget(exported_target(tiny_qwen3))
+    drafters = {flow: exported_drafter(tiny_qwen3, flow, num_layers=2 if flow else 1) for flow in (False, True)}
+    prompts = _prompts(tiny_qwen3, 4)
+    ar = _check_lossless(tiny_qwen3, ort_target, drafters, prompts, 32, blocks=(2, 8, 16))
+    for p in prompts[:2]:  # one row at a time too (exact crops, no holes)
+        one = generate(ort_target, OrtDrafter(drafters[True][1], 4), [p], "dflow", 32, stop_token_ids=())
+        assert one.token_ids[0] == ar.token_ids[prompts.index(p)]
+    # mixed acceptance across rows: the validity-mask cache with holes, on both targets
+    seqs = [p + generate(tiny_qwen3, None, [p], "ar", 48, stop_token_ids=()).token_ids[0] for p in prompts]
+    for mode in ("dflash", "dflow"):
+        a = generate(tiny_qwen3, NoisyOracle(seqs, 8, tiny_qwen3.info.vocab_size), prompts, mode, 32, stop_token_ids=())
+        b = generate(ort_target, NoisyOracle(seqs, 8, tiny_qwen3.info.vocab_size), prompts, mode, 32, stop_token_ids=())
+        assert a.token_ids == b.token_ids == ar.token_ids
+        assert a.acceptance_lengths == b.acceptance_lengths and a.tau > 2
+
+
+def test_ort_drafter_refuses_other_target(tiny_qwen3, tiny_llama):
+    _, folder = exported_drafter(tiny_qwen3, False)
+    with pytest.raises(UserError, match="built for target"):
+        OrtDrafter(folder).check_target(tiny_llama.info)
+    with pytest.raises(UserError, match="tap"):
+        OrtDrafter(folder).check_target(tiny_qwen3.with_taps((1,)).info)
+    with pytest.raises(UserError, match="no ONNX graph|missing"):
+        OrtTarget(folder)
+
+
+@pytest.mark.slow
+def test_ort_lossless_smollm2(smollm2):
+    ort_target = OrtTarget(exported_target(smollm2))
+    drafters = {flow: exported_drafter(smollm2, flow) for flow in (False, True)}
+    _check_lossless(smollm2, ort_target, drafters, _prompts(smollm2, 3), 24, blocks=(4, 16))
