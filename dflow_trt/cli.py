@@ -17,22 +17,15 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 
 
 def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:
-    if not prompt:
-        raise UserError("empty prompt: pass --prompt with some text")
-    if tokenizer is None:
-        raise UserError("this target has no tokenizer; use a named target or a checkpoint folder with one")
-    if chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    from .prompting import encode_prompt
+
+    return encode_prompt(tokenizer, prompt, chat)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from .decoding.loop import generate
     from .decoding.sampling import SamplingParams
-    from .drafter.defaults import load_target_and_drafter
-    from .drafter.runtime import TorchDrafter
+    from .backends.loading import load_backends
 
     if a.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
@@ -41,8 +34,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if not a.prompt:
         raise UserError("empty prompt: pass --prompt with some text")
     sampling = SamplingParams(a.temperature, a.top_p, a.top_k, a.seed)
-    target, model = load_target_and_drafter(a.target, a.drafter, a.mode)
-    drafter = TorchDrafter(model, a.block_size) if model is not None else None
+    target, drafter = load_backends(a.target, a.drafter, a.mode, a.backend, a.build_dir, a.block_size)
     prompt_ids = _encode(target.tokenizer, a.prompt, a.chat)
     res = generate(target, drafter, [prompt_ids], a.mode, a.max_new_tokens, sampling)
     ids = res.token_ids[0]
@@ -53,7 +45,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             "acceptance_lengths": res.acceptance_lengths[0], "tau": res.tau, "tokens_per_s": res.tokens_per_s,
             "rounds": res.rounds, "prefill_s": res.prefill_s, "draft_s": res.draft_s, "verify_s": res.verify_s,
             "total_s": res.total_s, "finish_reason": res.finish_reasons[0],
-            "block_size": drafter.block_size if drafter else 1}))
+            "block_size": drafter.block_size if drafter else 1, "backend": a.backend}))
     else:
         print(text)
         print(f"[{a.mode}] tau={res.tau:.2f} tokens/s={res.tokens_per_s:.1f} rounds={res.rounds}", file=sys.stderr)
@@ -75,6 +67,30 @@ def cmd_bench(a: argparse.Namespace) -> int:
             drafters[m] = a.drafter
     return run_bench(a.target, drafters, [m for m in a.modes.split(",") if m], a.dataset.split(","), a.num_prompts,
                      a.max_new_tokens, a.chat, a.block_size, a.json_out, a.plot_out)
+
+
+def cmd_client(a: argparse.Namespace) -> int:
+    from .serving.client import generate_grpc, health
+
+    if not health(a.url):
+        raise UserError(f"no ready Triton server with the dflow model at {a.url}; start one with `python scripts/serve.py`")
+
+    def show(ids, text):
+        if a.stream and not a.json:
+            print(text, end="", flush=True)
+
+    res = generate_grpc(a.url, a.model, on_tokens=show, prompt=a.prompt, max_tokens=a.max_new_tokens, mode=a.mode,
+                        temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
+                        stop_words=a.stop or None, block_size=a.block_size, chat=a.chat)
+    if a.json:
+        print(json.dumps(res.as_dict()))
+    else:
+        if not a.stream:
+            print(res.text, end="")
+        s = res.stats
+        print(f"\n[{s.get('mode')}] tau={s.get('tau', 0):.2f} rounds={s.get('rounds')} "
+              f"tokens/s={s.get('tokens_per_s', 0):.1f}", file=sys.stderr)
+    return 0
 
 
 def cmd_make_data(a: argparse.Namespace) -> int:
@@ -125,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--block-size", type=int, default=None, help="drafter block (default: as trained)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--backend", default="torch", choices=["torch", "onnxruntime"],
+                   help="onnxruntime runs the exported graphs (exported into --build-dir first if missing)")
+    g.add_argument("--build-dir", default=None, help="build folder for --backend onnxruntime (default build/<target>)")
     _add_sampling(g)
     g.set_defaults(func=cmd_generate)
 
@@ -149,6 +168,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot-out", default=None)
     b.set_defaults(func=cmd_bench)
 
+    c = sub.add_parser("client", help="decode through a running Triton server (gRPC streaming)")
+    c.add_argument("--url", default="127.0.0.1:8001", help="the server's gRPC address")
+    c.add_argument("--model", default="dflow", help="dflow (in-process) or dflow_bls (BLS orchestration)")
+    c.add_argument("--prompt", required=True)
+    c.add_argument("--mode", default="dflow", choices=["ar", "dflash", "dflow"])
+    c.add_argument("--max-new-tokens", type=int, default=64)
+    c.add_argument("--block-size", type=int, default=None)
+    c.add_argument("--chat", action="store_true")
+    c.add_argument("--stop", action="append", default=[], help="stop word (repeatable)")
+    c.add_argument("--stream", action="store_true", help="print text as rounds commit it")
+    c.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    _add_sampling(c)
+    c.set_defaults(func=cmd_client)
+
     m = sub.add_parser("make-data", help="generate the target's own responses to the training prompts")
     m.add_argument("--target", default="smollm2-135m")
     m.add_argument("--data-dir", default="runs/data-smollm2")
@@ -161,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a DFlash or DFlow drafter (resumable; torchrun for DDP)")
     _add_train_flags(t)
     t.set_defaults(func=cmd_train)
+
+    from .export.cli import register
+
+    register(sub)
     return ap
 
 

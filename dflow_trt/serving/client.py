@@ -1,0 +1,124 @@
+"""Client of the `dflow` decoding model over tritonclient: gRPC streaming (tokens as rounds
+commit them) or HTTP (one call, all responses at the end)."""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..errors import UserError
+
+
+@dataclass
+class ClientResult:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    stats: dict = field(default_factory=dict)
+    chunk_times: list[float] = field(default_factory=list)  # seconds from send to each token-bearing response
+    chunk_sizes: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"token_ids": self.token_ids, "text": self.text, "tau": self.stats.get("tau"),
+                "acceptance_lengths": self.stats.get("acceptance_lengths"), "rounds": self.stats.get("rounds"),
+                "finish_reason": self.stats.get("finish_reason"), "stats": self.stats,
+                "ttft_s": self.chunk_times[0] if self.chunk_times else None}
+
+
+def request_arrays(prompt: str | None = None, input_ids: list[int] | None = None, max_tokens: int = 64,
+                   mode: str = "dflow", temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                   seed: int | None = None, stop_words: list[str] | None = None, block_size: int | None = None,
+                   chat: bool = False) -> dict[str, np.ndarray]:
+    x = {"max_tokens": np.array([max_tokens], np.int32), "mode": np.array([mode.encode()], dtype=object),
+         "temperature": np.array([temperature], np.float32), "top_p": np.array([top_p], np.float32),
+         "top_k": np.array([top_k], np.int32), "chat": np.array([chat], bool)}
+    if prompt is not None:
+        x["text_input"] = np.array([prompt.encode()], dtype=object)
+    if input_ids is not None:
+        x["input_ids"] = np.asarray(input_ids, np.int32)
+    if seed is not None:
+        x["seed"] = np.array([seed], np.int64)
+    if stop_words:
+        x["stop_words"] = np.array([w.encode() for w in stop_words], dtype=object)
+    if block_size:
+        x["block_size"] = np.array([block_size], np.int32)
+    return x
+
+
+def _dtype(a: np.ndarray) -> str:
+    return {"object": "BYTES", "int32": "INT32", "int64": "INT64", "float32": "FP32", "bool": "BOOL"}[a.dtype.name]
+
+
+def _inputs(mod, arrays: dict[str, np.ndarray]):
+    out = []
+    for k, v in arrays.items():
+        i = mod.InferInput(k, list(v.shape), _dtype(v))
+        i.set_data_from_numpy(v)
+        out.append(i)
+    return out
+
+
+def _absorb(res: ClientResult, r, t0: float, on_tokens: Callable[[list[int], str], None] | None) -> bool:
+    """Add one response; return True when it was the final one."""
+    ids = r.as_numpy("token_ids")
+    ids = [] if ids is None else ids.reshape(-1).tolist()
+    text = r.as_numpy("text_output")
+    text = bytes(text.reshape(-1)[0]).decode("utf-8", "replace") if text is not None and text.size else ""
+    stats = r.as_numpy("stats")
+    stats = bytes(stats.reshape(-1)[0]) if stats is not None and stats.size else b""
+    if ids:
+        res.chunk_times.append(time.perf_counter() - t0)
+        res.chunk_sizes.append(len(ids))
+        res.token_ids += ids
+    res.text += text
+    if on_tokens and (ids or text):
+        on_tokens(ids, text)
+    if stats:
+        res.stats = json.loads(stats)
+        return True
+    return False
+
+
+def generate_grpc(url: str, model: str = "dflow", on_tokens=None, timeout_s: float = 600, client=None,
+                  **request) -> ClientResult:
+    """Stream one request over gRPC; raise UserError with the server's message on an error response."""
+    import tritonclient.grpc as grpcclient
+
+    c = client or grpcclient.InferenceServerClient(url)
+    q: queue.Queue = queue.Queue()
+    c.start_stream(callback=lambda result, error: q.put((result, error)))
+    res, t0 = ClientResult(), time.perf_counter()
+    try:
+        c.async_stream_infer(model, _inputs(grpcclient, request_arrays(**request)))
+        while True:
+            try:
+                result, error = q.get(timeout=max(1e-3, timeout_s - (time.perf_counter() - t0)))
+            except queue.Empty:
+                raise UserError(f"no final response from {model} within {timeout_s:.0f} s") from None
+            if error is not None:
+                raise UserError(f"server error: {error.message() if hasattr(error, 'message') else error}")
+            if _absorb(res, result, t0, on_tokens):
+                return res
+    finally:
+        c.stop_stream()
+        if client is None:
+            c.close()
+
+
+def health(url: str, protocol: str = "grpc") -> bool:
+    if protocol == "http":
+        import tritonclient.http as httpclient
+
+        c = httpclient.InferenceServerClient(url)
+    else:
+        import tritonclient.grpc as grpcclient
+
+        c = grpcclient.InferenceServerClient(url)
+    try:
+        return bool(c.is_server_live() and c.is_server_ready() and c.is_model_ready("dflow"))
+    except Exception:
+        return False

@@ -1,0 +1,321 @@
+"""The decoding model's logic, without Triton: load back ends from config parameters, then run
+one request's draft -> verify -> carry-flow rounds, streaming each round's committed tokens.
+
+Every request gets its own target cache, drafter state and flow state (the loop creates them
+per call), so requests in flight at once share only the read-only weights. A request whose
+client cancels stops at the next round boundary and its state is dropped with the call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..decoding.loop import RoundEvent, generate
+from ..decoding.sampling import SamplingParams
+from ..errors import UserError
+from .requests import DecodeRequest, Limits, RequestError
+
+BACKENDS = ("torch", "onnxruntime", "tensorrt_llm")
+ORCHESTRATIONS = ("inprocess", "bls")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The decoding model's config parameters (config.pbtxt `parameters`)."""
+
+    target: str = "smollm2-135m"
+    backend: str = "torch"
+    build_dir: str = ""  # build/<name>/ from scripts/build_engines.py (onnxruntime, tensorrt_llm)
+    dflash_drafter: str = ""  # drafter folder; "" = the target's shipped one (or the build's)
+    dflow_drafter: str = ""
+    orchestration: str = "inprocess"  # bls: call the `target` and `drafter` Triton models
+    max_tokens: int = 1024
+    max_concurrency: int = 8
+    threads: int = 0  # torch intra-op threads; 0 = torch's default
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, str], repo_dir: Path | None = None) -> "ServeConfig":
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(params) - known
+        if unknown:
+            raise UserError(f"unknown parameters {sorted(unknown)}; known: {sorted(known)}")
+        kw: dict[str, Any] = {}
+        for k, v in params.items():
+            kind = type(getattr(cls, k))
+            try:
+                kw[k] = kind(v)
+            except ValueError:
+                raise UserError(f"parameter {k!r} must be {kind.__name__}, got {v!r}") from None
+        for k in ("build_dir", "dflash_drafter", "dflow_drafter"):  # relative paths: from the repository
+            if kw.get(k) and repo_dir is not None and not Path(kw[k]).is_absolute():
+                kw[k] = str((repo_dir / kw[k]).resolve())
+        cfg = cls(**kw)
+        if cfg.backend not in BACKENDS:
+            raise UserError(f"parameter backend={cfg.backend!r}; use one of {', '.join(BACKENDS)}")
+        if cfg.orchestration not in ORCHESTRATIONS:
+            raise UserError(f"parameter orchestration={cfg.orchestration!r}; use one of {', '.join(ORCHESTRATIONS)}")
+        return cfg
+
+
+@dataclass
+class Chunk:
+    """One streamed response: a round's committed tokens, or the final statistics."""
+
+    token_ids: list[int]
+    text: str
+    final: bool = False
+    stats: dict | None = None
+
+
+@dataclass
+class _Loaded:
+    target: Any  # decoding.interfaces.Target
+    make_drafter: Callable[[int | None], Any] | None  # block size -> Drafter
+
+
+@dataclass
+class _Active:
+    mode: str
+    started: float = field(default_factory=time.perf_counter)
+
+
+def load_tokenizer(target_spec: str):
+    """The target's tokenizer alone (for BLS orchestration, where the weights live elsewhere)."""
+    from transformers import AutoTokenizer
+
+    if target_spec == "smollm2-135m":
+        from ..targets.smollm2 import ensure_checkpoint
+
+        return AutoTokenizer.from_pretrained(ensure_checkpoint(None))
+    if target_spec in ("tiny-qwen3", "tiny-llama"):
+        from ..targets.tiny import byte_tokenizer
+
+        return byte_tokenizer()
+    if Path(target_spec, "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(target_spec)
+    raise UserError(f"no tokenizer for target {target_spec!r}")
+
+
+class DecodingEngine:
+    def __init__(self, cfg: ServeConfig, log: Callable[[str], None] = print,
+                 remote: Callable[[str, dict, list[str]], dict] | None = None):
+        """Load every mode's back ends now, so a bad artefact fails the model load, not a request.
+
+        `remote(model_name, inputs, output_names)` runs another Triton model (BLS orchestration).
+        """
+        self.cfg, self.log = cfg, log
+        self.limits = Limits(max_tokens=cfg.max_tokens)
+        if cfg.threads > 0:
+            torch.set_num_threads(cfg.threads)
+        self._sem = threading.BoundedSemaphore(max(1, cfg.max_concurrency))
+        self._active: dict[int, _Active] = {}
+        self._lock = threading.Lock()
+        self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
+        self._ids = itertools.count(1)
+        self._remote, self._load_lock = remote, threading.Lock()
+        if cfg.orchestration == "bls":
+            if remote is None:
+                raise UserError("orchestration=bls needs the Triton layer's BLS caller")
+            # the `target`/`drafter` models may load after this one: connect at the first request
+            self.modes, self.tokenizer = None, load_tokenizer(cfg.target)
+            log(f"dflow engine ready: target={cfg.target} orchestration=bls (connects to the `target` and "
+                "`drafter` models at the first request)")
+            return
+        self.modes, self.tokenizer = self._load_inprocess()
+        log(f"dflow engine ready: target={cfg.target} backend={cfg.backend} orchestration={cfg.orchestration} "
+            f"modes={','.join(self.modes)}")
+
+    # ------------------------------------------------------------------ loading
+
+    def _drafter_arg(self, mode: str) -> str | None:
+        return getattr(self.cfg, f"{mode}_drafter") or None
+
+    def _load_inprocess(self):
+        cfg = self.cfg
+        if cfg.backend == "tensorrt_llm":
+            from ..export.trtllm import engine_build_available
+
+            ok, why = engine_build_available()
+            if not ok:
+                raise UserError(f"backend=tensorrt_llm needs a GPU host with TensorRT-LLM ({why}); use "
+                                "backend=torch or onnxruntime here")
+            raise UserError("backend=tensorrt_llm: this release has no TensorRT-LLM target adapter for the "
+                            "flow-carrying loop yet; serve flow-off drafting with `trtllm-serve` and "
+                            f"{cfg.build_dir or 'build/<name>'}/trtllm/llm_api.yaml, or use backend=onnxruntime")
+        if cfg.backend == "onnxruntime":
+            return self._load_onnxruntime()
+        from ..drafter.defaults import load_target_and_drafter
+        from ..drafter.runtime import TorchDrafter
+
+        base, _ = load_target_and_drafter(cfg.target, None, "ar", warn=self.log)
+        modes: dict[str, _Loaded] = {"ar": _Loaded(base, None)}
+        for mode in ("dflash", "dflow"):
+            target, model = load_target_and_drafter(cfg.target, self._drafter_arg(mode), mode, warn=self.log,
+                                                    target=base)
+            modes[mode] = _Loaded(target, lambda S, m=model: TorchDrafter(m, S))
+        return modes, base.tokenizer
+
+    def _load_onnxruntime(self):
+        from ..backends.onnxruntime import OrtDrafter, OrtTarget
+        from ..export.manifest import read_manifest
+
+        if not self.cfg.build_dir:
+            raise UserError("backend=onnxruntime needs parameter build_dir (a folder written by "
+                            "`python scripts/build_engines.py`)")
+        bdir = Path(self.cfg.build_dir)
+        man = read_manifest(bdir)
+        if man["target"]["name"] != self.cfg.target:
+            raise UserError(f"build_dir {bdir} was built for target {man['target']['name']!r}, the model is "
+                            f"configured for {self.cfg.target!r}; fix parameter target or rebuild")
+        tokenizer = load_tokenizer(self.cfg.target)
+        target = OrtTarget(bdir / "onnx" / "target", tokenizer=tokenizer)
+        modes: dict[str, _Loaded] = {"ar": _Loaded(target, None)}
+        for mode in ("dflash", "dflow"):
+            folder = bdir / "onnx" / f"drafter-{mode}"
+            if not folder.is_dir():
+                self.log(f"warning: build_dir has no {mode} drafter ({folder}); mode {mode} is not served")
+                continue
+            OrtDrafter(folder).check_target(target.info)
+            modes[mode] = _Loaded(target, lambda S, f=folder: OrtDrafter(f, S))
+        return modes, tokenizer
+
+    def _ensure_loaded(self) -> None:
+        if self.modes is None:
+            with self._load_lock:
+                if self.modes is None:
+                    self.modes = self._load_bls(self._remote)
+
+    def _load_bls(self, remote):
+        from .bls import RemoteDrafter, RemoteTarget
+
+        target = RemoteTarget(remote)
+        if target.info.name != self.cfg.target:
+            raise UserError(f"the `target` model serves {target.info.name!r}, this model is configured for "
+                            f"{self.cfg.target!r}; make the two models' `target` parameters agree")
+        modes: dict[str, _Loaded] = {"ar": _Loaded(target, None)}
+        for mode, info in RemoteDrafter.available(remote).items():
+            if info["target_fingerprint"] != target.info.fingerprint:
+                raise UserError(f"the `drafter` model's {mode} drafter was trained for another target "
+                                f"({info['target_name']}); point it at a drafter for {target.info.name}")
+            if tuple(info["tap_layers"]) != target.info.tap_layers:
+                raise UserError(f"the `target` model taps layers {list(target.info.tap_layers)}, the {mode} drafter "
+                                f"reads {info['tap_layers']}; load the target model with that drafter's taps")
+            modes[mode] = _Loaded(target, lambda S, m=mode, i=info: RemoteDrafter(remote, m, i, S))
+        return modes
+
+    # ------------------------------------------------------------------ requests
+
+    @property
+    def active_requests(self) -> int:
+        with self._lock:
+            return len(self._active)
+
+    def parse(self, inputs: dict) -> DecodeRequest:
+        from .requests import parse_request
+
+        return parse_request(inputs, self.limits)
+
+    def _prompt_ids(self, req: DecodeRequest) -> list[int]:
+        if req.input_ids is not None:
+            V = self.modes["ar"].target.info.vocab_size
+            bad = [t for t in req.input_ids if not 0 <= t < V]
+            if bad:
+                raise RequestError(f"input_ids {bad[:5]} are outside the vocabulary 0..{V - 1}")
+            return req.input_ids
+        from ..prompting import encode_prompt
+
+        with self._tok_lock:
+            ids = encode_prompt(self.tokenizer, req.prompt, req.chat)
+        if not ids:
+            raise RequestError("the prompt encodes to no tokens")
+        if len(ids) > self.limits.max_prompt_tokens:
+            raise RequestError(f"prompt has {len(ids)} tokens, more than the limit {self.limits.max_prompt_tokens}")
+        return ids
+
+    def _decode(self, ids: list[int]) -> str:
+        with self._tok_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def run(self, req: DecodeRequest, emit: Callable[[Chunk], None],
+            cancelled: Callable[[], bool] = lambda: False) -> dict:
+        """Decode one request; emit a Chunk per round and a final one with the statistics."""
+        self._ensure_loaded()
+        if req.mode not in self.modes:
+            raise RequestError(f"mode {req.mode!r} is not served by this model (served: {', '.join(self.modes)})")
+        loaded = self.modes[req.mode]
+        prompt_ids = self._prompt_ids(req)
+        sampling = SamplingParams(req.temperature, req.top_p, req.top_k, req.seed)
+        drafter = loaded.make_drafter(req.block_size) if loaded.make_drafter else None
+        rid = next(self._ids)
+        tokens: list[int] = []  # committed so far (after any stop-word cut)
+        sent = {"n": 0, "text": "", "stopped": None, "cancelled": False}
+
+        def on_round(ev: RoundEvent) -> bool:
+            new = ev.new_tokens[0]
+            if new:
+                tokens.extend(new)
+                if req.stop_words:
+                    keep = self._stop_cut(tokens, len(tokens) - len(new), req.stop_words)
+                    del tokens[keep:]
+                    if self._has_stop(tokens, req.stop_words):
+                        sent["stopped"] = "stop_word"
+                text = self._decode(tokens)
+                if sent["stopped"] is None:
+                    text = text.rstrip("\ufffd")  # half a UTF-8 character: send it with the next round
+                delta = text[len(sent["text"]):] if text.startswith(sent["text"]) else text
+                sent["text"] = sent["text"] + delta
+                emit(Chunk(token_ids=tokens[sent["n"]:], text=delta))
+                sent["n"] = len(tokens)
+            if sent["stopped"] is not None:
+                return True
+            if cancelled():
+                sent["cancelled"] = True
+                return True
+            return False
+
+        with self._sem:
+            with self._lock:
+                self._active[rid] = _Active(req.mode)
+            try:
+                res = generate(loaded.target, drafter, [prompt_ids], req.mode, req.max_tokens, sampling,
+                               on_round=on_round)
+            finally:
+                with self._lock:
+                    self._active.pop(rid, None)
+        reason = "cancelled" if sent["cancelled"] else (sent["stopped"] or res.finish_reasons[0])
+        acc = res.acceptance_lengths[0]
+        stats = {"mode": req.mode, "num_tokens": len(tokens), "tau": res.tau, "acceptance_lengths": acc,
+                 "rounds": res.rounds, "finish_reason": reason, "prefill_s": res.prefill_s,
+                 "draft_s": res.draft_s, "verify_s": res.verify_s, "total_s": res.total_s,
+                 "tokens_per_s": len(tokens) / res.total_s if res.total_s > 0 else 0.0,
+                 "block_size": drafter.block_size if drafter else 1, "prompt_tokens": len(prompt_ids),
+                 "active_requests": self.active_requests, "backend": self.cfg.backend,
+                 "orchestration": self.cfg.orchestration}
+        if reason == "cancelled":
+            self.log(f"request {rid} cancelled after {res.rounds} rounds; its state is freed")
+        else:
+            full = self._decode(tokens)
+            rest = full[len(sent["text"]):] if full.startswith(sent["text"]) else ""
+            emit(Chunk(token_ids=[], text=rest, final=True, stats=stats))
+        return stats
+
+    def _has_stop(self, tokens: list[int], stop_words: list[str]) -> bool:
+        text = self._decode(tokens)
+        return any(w in text for w in stop_words)
+
+    def _stop_cut(self, tokens: list[int], start: int, stop_words: list[str]) -> int:
+        """Length to keep: through the first token at which a stop word appears in the text."""
+        text = self._decode(tokens)
+        if not any(w in text for w in stop_words):
+            return len(tokens)
+        for k in range(max(1, start), len(tokens) + 1):
+            if any(w in self._decode(tokens[:k]) for w in stop_words):
+                return k
+        return len(tokens)

@@ -1,0 +1,111 @@
+"""The Triton model repository: writes `config.pbtxt` for the decoding, target and drafter models.
+
+`triton_repo/` is checked in as written by `write_repository()` with the defaults below (the
+embedded smollm2-135m and its shipped drafters); tests and deployments write variants of it
+(another target, `backend=onnxruntime` with `build_dir`, BLS orchestration) the same way.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+MODELS = ("dflow", "dflow_bls", "target", "drafter")
+
+_DFLOW_IO = """input [
+  { name: "text_input", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
+  { name: "input_ids", data_type: TYPE_INT32, dims: [ -1 ], optional: true },
+  { name: "max_tokens", data_type: TYPE_INT32, dims: [ 1 ] },
+  { name: "mode", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
+  { name: "temperature", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
+  { name: "top_p", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
+  { name: "top_k", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "seed", data_type: TYPE_INT64, dims: [ 1 ], optional: true },
+  { name: "stop_words", data_type: TYPE_STRING, dims: [ -1 ], optional: true },
+  { name: "block_size", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "chat", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
+]
+output [
+  { name: "token_ids", data_type: TYPE_INT32, dims: [ -1 ] },
+  { name: "text_output", data_type: TYPE_STRING, dims: [ 1 ] },
+  { name: "stats", data_type: TYPE_STRING, dims: [ 1 ] }
+]
+model_transaction_policy { decoupled: true }"""
+
+_TARGET_IO = """input [
+  { name: "input_ids", data_type: TYPE_INT64, dims: [ -1, -1 ], optional: true },
+  { name: "prompt_lens", data_type: TYPE_INT64, dims: [ -1 ], optional: true },
+  { name: "num_last", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "info_only", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
+]
+output [
+  { name: "logits", data_type: TYPE_FP32, dims: [ -1, -1, -1 ] },
+  { name: "hidden_states", data_type: TYPE_FP32, dims: [ -1, -1, -1 ] },
+  { name: "info", data_type: TYPE_STRING, dims: [ 1 ] }
+]"""
+
+_DRAFTER_IO = """input [
+  { name: "info_only", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "mode", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
+  { name: "block_size", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "context_taps", data_type: TYPE_FP32, dims: [ -1, -1, -1 ], optional: true },
+  { name: "context_lens", data_type: TYPE_INT64, dims: [ -1 ], optional: true },
+  { name: "anchor_ids", data_type: TYPE_INT64, dims: [ -1 ], optional: true },
+  { name: "anchor_pos", data_type: TYPE_INT64, dims: [ -1 ], optional: true },
+  { name: "temperature", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
+  { name: "top_p", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
+  { name: "top_k", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "seed", data_type: TYPE_INT64, dims: [ 1 ], optional: true },
+  { name: "flow_taps", data_type: TYPE_FP32, dims: [ -1, -1, -1 ], optional: true },
+  { name: "flow_token_ids", data_type: TYPE_INT64, dims: [ -1, -1 ], optional: true },
+  { name: "flow_hint_ids", data_type: TYPE_INT64, dims: [ -1, -1 ], optional: true },
+  { name: "flow_valid", data_type: TYPE_BOOL, dims: [ -1, -1 ], optional: true }
+]
+output [
+  { name: "draft_ids", data_type: TYPE_INT64, dims: [ -1, -1 ] },
+  { name: "draft_probs", data_type: TYPE_FP32, dims: [ -1, -1, -1 ] },
+  { name: "info", data_type: TYPE_STRING, dims: [ 1 ] }
+]"""
+
+DEFAULTS: dict[str, dict[str, str]] = {
+    "dflow": {"target": "smollm2-135m", "backend": "torch", "build_dir": "", "dflash_drafter": "",
+              "dflow_drafter": "", "orchestration": "inprocess", "max_tokens": "1024", "max_concurrency": "8",
+              "threads": "0"},
+    "dflow_bls": {"target": "smollm2-135m", "orchestration": "bls", "max_tokens": "1024", "max_concurrency": "8"},
+    "target": {"target": "smollm2-135m", "backend": "torch", "build_dir": "", "drafter": "", "threads": "0"},
+    "drafter": {"target": "smollm2-135m", "dflash_drafter": "", "dflow_drafter": "", "threads": "0"},
+}
+_IO = {"dflow": _DFLOW_IO, "dflow_bls": _DFLOW_IO, "target": _TARGET_IO, "drafter": _DRAFTER_IO}
+_ABOUT = {
+    "dflow": "decoding model: draft -> verify -> carry flow, in process (fast path on one host)",
+    "dflow_bls": "decoding model orchestrating the `target` and `drafter` models through BLS calls",
+    "target": "stateless target: logits + tap hidden states of the last num_last positions",
+    "drafter": "stateless drafter: one block of drafts from the context features (+ flow)",
+}
+_ENTRY = {"dflow": "DFlowModel", "dflow_bls": "DFlowModel", "target": "TargetModel", "drafter": "DrafterModel"}
+
+
+def config_text(model: str, params: dict[str, str]) -> str:
+    ps = "\n".join(f'parameters: {{ key: "{k}", value: {{ string_value: "{v}" }} }}' for k, v in params.items())
+    return (f"# {_ABOUT[model]}\n# written by dflow_trt.serving.repository; parameters documented in README.md\n"
+            f'name: "{model}"\nbackend: "python"\nmax_batch_size: 0\n{_IO[model]}\n'
+            f"instance_group [ {{ kind: KIND_CPU, count: 1 }} ]\n{ps}\n")
+
+
+def write_repository(dest: str | Path, overrides: dict[str, dict[str, str]] | None = None,
+                     models: tuple[str, ...] = MODELS) -> Path:
+    """Write a complete repository at dest (atomically: built aside, then renamed into place)."""
+    dest = Path(dest)
+    overrides = overrides or {}
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent if dest.parent.exists() else None))
+    for m in models:
+        (tmp / m / "1").mkdir(parents=True)
+        (tmp / m / "config.pbtxt").write_text(config_text(m, {**DEFAULTS[m], **overrides.get(m, {})}))
+        (tmp / m / "1" / "model.py").write_text(
+            f'"""Triton Python-backend entry for the `{m}` model; the logic lives in dflow_trt.serving."""\n\n'
+            f"from dflow_trt.serving.triton_python import {_ENTRY[m]} as TritonPythonModel  # noqa: F401\n")
+    if dest.exists():
+        shutil.rmtree(dest)
+    tmp.rename(dest)
+    return dest

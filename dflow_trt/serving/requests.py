@@ -1,0 +1,92 @@
+"""One decoding request as the server sees it: parsed from named numpy inputs and validated.
+
+No Triton here: the Triton layer hands over `{input name: numpy array}` and gets a
+`DecodeRequest` or a `RequestError` whose message goes back to the client as the error response.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..decoding.loop import MODES
+from ..errors import UserError
+
+
+class RequestError(UserError):
+    """A request the server refuses; the message names the bad input and what is accepted."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_tokens: int = 1024  # per request
+    max_prompt_tokens: int = 4096
+
+
+@dataclass
+class DecodeRequest:
+    prompt: str | None
+    input_ids: list[int] | None
+    max_tokens: int
+    mode: str = "dflow"
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_words: list[str] = field(default_factory=list)
+    block_size: int | None = None
+    chat: bool = False
+
+
+def _scalar(inputs: dict[str, np.ndarray], name: str, kind, default=None):
+    a = inputs.get(name)
+    if a is None:
+        return default
+    flat = np.asarray(a).reshape(-1)
+    if flat.size != 1:
+        raise RequestError(f"input {name!r} must hold one value, got shape {list(np.asarray(a).shape)}")
+    v = flat[0]
+    if kind is str:
+        return v.decode("utf-8", "replace") if isinstance(v, (bytes, np.bytes_)) else str(v)
+    return kind(v)
+
+
+def parse_request(inputs: dict[str, np.ndarray], limits: Limits = Limits()) -> DecodeRequest:
+    """Validate and convert; raise RequestError naming the first bad input."""
+    prompt = _scalar(inputs, "text_input", str)
+    ids = inputs.get("input_ids")
+    input_ids = [int(x) for x in np.asarray(ids).reshape(-1)] if ids is not None else None
+    if input_ids is not None and not input_ids:
+        input_ids = None
+    if not prompt and not input_ids:
+        raise RequestError("empty prompt: send a non-empty `text_input` or `input_ids`")
+    if input_ids is not None and len(input_ids) > limits.max_prompt_tokens:
+        raise RequestError(f"prompt has {len(input_ids)} tokens, more than the limit {limits.max_prompt_tokens}")
+    if "max_tokens" not in inputs:
+        raise RequestError("missing `max_tokens`: send how many tokens to generate (INT32)")
+    max_tokens = _scalar(inputs, "max_tokens", int)
+    if not 1 <= max_tokens <= limits.max_tokens:
+        raise RequestError(f"max_tokens must be in 1..{limits.max_tokens}, got {max_tokens}")
+    mode = _scalar(inputs, "mode", str, "dflow")
+    if mode not in MODES:
+        raise RequestError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+    block = _scalar(inputs, "block_size", int, 0)
+    if block not in (0,) and block < 2:
+        raise RequestError(f"block_size must be at least 2 (anchor + one draft), or 0 for the drafter's own; got {block}")
+    seed = _scalar(inputs, "seed", int, None)
+    stop = inputs.get("stop_words")
+    stop_words = [s.decode("utf-8", "replace") if isinstance(s, (bytes, np.bytes_)) else str(s)
+                  for s in (np.asarray(stop).reshape(-1) if stop is not None else [])]
+    req = DecodeRequest(prompt=prompt or None, input_ids=input_ids, max_tokens=max_tokens, mode=mode,
+                        temperature=_scalar(inputs, "temperature", float, 0.0),
+                        top_p=_scalar(inputs, "top_p", float, 1.0), top_k=_scalar(inputs, "top_k", int, 0),
+                        seed=seed, stop_words=[s for s in stop_words if s], block_size=block or None,
+                        chat=bool(_scalar(inputs, "chat", bool, False)))
+    from ..decoding.sampling import SamplingParams
+
+    try:
+        SamplingParams(req.temperature, req.top_p, req.top_k, req.seed)
+    except UserError as e:
+        raise RequestError(str(e)) from None
+    return req

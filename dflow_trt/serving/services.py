@@ -1,0 +1,61 @@
+"""Load the stateless `target` and `drafter` services from their Triton config parameters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from ..errors import UserError
+from .bls import DrafterService, TargetService
+
+TARGET_PARAMS = ("target", "backend", "build_dir", "drafter", "threads")
+DRAFTER_PARAMS = ("target", "dflash_drafter", "dflow_drafter", "threads")
+
+
+def _check(params: dict[str, str], known: tuple[str, ...], model: str) -> None:
+    unknown = set(params) - set(known)
+    if unknown:
+        raise UserError(f"{model}: unknown parameters {sorted(unknown)}; known: {list(known)}")
+    if int(params.get("threads") or 0) > 0:
+        import torch
+
+        torch.set_num_threads(int(params["threads"]))
+
+
+def _path(p: str, repo: Path) -> str | None:
+    return str((repo / p).resolve()) if p and not Path(p).is_absolute() else (p or None)
+
+
+def load_target_service(params: dict[str, str], repo: Path, log: Callable[[str], None] = print) -> TargetService:
+    """The target, tapping the layers its drafter reads (`drafter`, default: the shipped DFlow one)."""
+    _check(params, TARGET_PARAMS, "target")
+    spec, backend = params.get("target", "smollm2-135m"), params.get("backend", "torch")
+    if backend == "onnxruntime":
+        from ..backends.onnxruntime import OrtTarget
+        from ..export.manifest import read_manifest
+
+        bdir = _path(params.get("build_dir", ""), repo)
+        if not bdir:
+            raise UserError("target: backend=onnxruntime needs parameter build_dir (scripts/build_engines.py output)")
+        if read_manifest(bdir)["target"]["name"] != spec:
+            raise UserError(f"target: build_dir {bdir} was not built for target {spec!r}; fix `target` or rebuild")
+        return TargetService(OrtTarget(Path(bdir) / "onnx" / "target"))
+    if backend != "torch":
+        raise UserError(f"target: backend={backend!r}; use torch or onnxruntime (tensorrt_llm: GPU hosts, see README)")
+    from ..drafter.defaults import load_target_and_drafter
+
+    target, _ = load_target_and_drafter(spec, _path(params.get("drafter", ""), repo), "dflow", warn=log)
+    log(f"target model ready: {spec} taps {list(target.info.tap_layers)}")
+    return TargetService(target)
+
+
+def load_drafter_service(params: dict[str, str], repo: Path, log: Callable[[str], None] = print) -> DrafterService:
+    _check(params, DRAFTER_PARAMS, "drafter")
+    from ..drafter.defaults import load_target_and_drafter
+
+    spec, models, base = params.get("target", "smollm2-135m"), {}, None
+    for mode in ("dflash", "dflow"):
+        base, models[mode] = load_target_and_drafter(spec, _path(params.get(f"{mode}_drafter", ""), repo), mode,
+                                                     warn=log, target=base)
+    log(f"drafter model ready: {spec} modes {sorted(models)}")
+    return DrafterService(models)

@@ -1,0 +1,182 @@
+"""End to end through a real tritonserver (nvidia-pytriton's 2.51) and tritonclient."""
+
+import json
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dflow_trt.backends.loading import load_backends
+from dflow_trt.decoding.loop import generate
+from dflow_trt.errors import UserError
+from dflow_trt.prompting import encode_prompt
+from dflow_trt.serving.client import _inputs, generate_grpc, request_arrays
+from dflow_trt.serving.repository import MODELS, write_repository
+from dflow_trt.serving.server import DEFAULT_REPOSITORY, start_server
+
+grpcclient = pytest.importorskip("tritonclient.grpc")
+PROMPTS = ["hello world", "def add(a, b):", "The capital of France is", "1, 2, 3, 5, 8,",
+           "Once upon a time", "import numpy as np", "Q: what is 7 * 6?", "The quick brown fox"]
+
+
+def _ports(n=3):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _serve(repo, tmp, **kw):
+    h, g, m = _ports()
+    return start_server(repo, h, g, m, work_dir=tmp / "work", log_path=tmp / "server.log", timeout_s=900, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("triton_tiny")
+    repo = write_repository(tmp / "repo", {m: {"target": "tiny-qwen3"} for m in MODELS})
+    with _serve(repo, tmp) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def tiny_reference():
+    cache = {}
+
+    def ref(prompt, mode, max_tokens, block_size):
+        key = (mode, block_size)
+        if key not in cache:
+            cache[key] = load_backends("tiny-qwen3", None, mode, "torch", None, block_size, log=lambda m: None)
+        target, drafter = cache[key]
+        ids = encode_prompt(target.tokenizer, prompt, False)
+        return generate(target, drafter, [ids], mode, max_tokens).token_ids[0]
+
+    return ref
+
+
+@pytest.mark.parametrize("model", ["dflow", "dflow_bls"])
+def test_greedy_over_triton_equals_generate(tiny_server, tiny_reference, model):
+    for mode in ("ar", "dflash", "dflow"):
+        for prompt in PROMPTS[:3]:
+            for S in (2, 4):
+                got = generate_grpc(tiny_server.grpc_url, model, prompt=prompt, mode=mode, max_tokens=24, block_size=S)
+                assert got.token_ids == tiny_reference(prompt, mode, 24, S), (model, mode, prompt, S)
+                assert got.stats["mode"] == mode and got.stats["num_tokens"] == len(got.token_ids)
+                assert got.stats["block_size"] == (1 if mode == "ar" else S)
+
+
+def test_streaming_delivers_rounds(tiny_server):
+    res = generate_grpc(tiny_server.grpc_url, prompt=PROMPTS[0], mode="dflow", max_tokens=20, block_size=4)
+    acc = res.stats["acceptance_lengths"]
+    # first response: the prefill's token; then one response per round with its committed tokens
+    assert res.chunk_sizes[0] == 1 and len(res.chunk_sizes) == 1 + len(acc) == 1 + res.stats["rounds"]
+    assert res.chunk_sizes[1:-1] == acc[:-1] and res.chunk_sizes[-1] <= acc[-1]
+    assert res.chunk_times == sorted(res.chunk_times) and len(res.chunk_times) > 2
+    assert sum(res.chunk_sizes) == len(res.token_ids) == 20
+    assert res.text and res.stats["tau"] == pytest.approx(sum(acc) / len(acc))
+
+
+def test_eight_concurrent_requests_keep_their_own_state(tiny_server, tiny_reference):
+    jobs = [(PROMPTS[i], ("ar", "dflash", "dflow")[i % 3], 16 + 4 * (i % 3), (2, 4, 8)[i % 3]) for i in range(8)]
+    out = [None] * 8
+
+    def run(i):
+        p, mode, n, S = jobs[i]
+        out[i] = generate_grpc(tiny_server.grpc_url, prompt=p, mode=mode, max_tokens=n, block_size=S)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for i, (p, mode, n, S) in enumerate(jobs):
+        assert out[i] is not None and out[i].token_ids == tiny_reference(p, mode, n, S), jobs[i]
+
+
+def test_cancelled_request_frees_its_state(tiny_server):
+    c = grpcclient.InferenceServerClient(tiny_server.grpc_url)
+    q = queue.Queue()
+    c.start_stream(callback=lambda result, error: q.put((result, error)))
+    c.async_stream_infer("dflow", _inputs(grpcclient, request_arrays(prompt=PROMPTS[4], max_tokens=1000, mode="dflow",
+                                                                     block_size=2)))
+    r, e = q.get(timeout=60)  # the first round arrived: the request is in flight
+    assert e is None
+    c.stop_stream(cancel_requests=True)
+    c.close()
+    deadline = time.time() + 60
+    while time.time() < deadline and "cancelled after" not in tiny_server.log_path.read_text():
+        time.sleep(0.5)
+    assert "cancelled after" in tiny_server.log_path.read_text()
+    after = generate_grpc(tiny_server.grpc_url, prompt=PROMPTS[0], mode="ar", max_tokens=4)
+    assert after.stats["active_requests"] == 0 and len(after.token_ids) == 4
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"prompt": ""}, "empty prompt"),
+    ({"mode": "beam"}, "unknown mode"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 10**6}, "max_tokens"),
+    ({"block_size": 1}, "block_size"),
+    ({"temperature": -1.0}, "temperature"),
+])
+def test_bad_requests_get_an_error_and_the_server_keeps_serving(tiny_server, change, needle):
+    req = {"prompt": "hi", "mode": "dflow", "max_tokens": 4, **change}
+    with pytest.raises(UserError, match=needle):
+        generate_grpc(tiny_server.grpc_url, **req)
+    assert len(generate_grpc(tiny_server.grpc_url, prompt="hi", mode="dflow", max_tokens=4).token_ids) == 4
+
+
+def test_wrong_dtype_is_refused_by_triton(tiny_server):
+    c = grpcclient.InferenceServerClient(tiny_server.grpc_url)
+    arrays = request_arrays(prompt="hi", max_tokens=4)
+    arrays["max_tokens"] = np.array([4.0], np.float32)
+    q = queue.Queue()
+    c.start_stream(callback=lambda result, error: q.put((result, error)))
+    c.async_stream_infer("dflow", _inputs(grpcclient, arrays))
+    r, e = q.get(timeout=60)
+    c.stop_stream()
+    assert e is not None and "max_tokens" in str(e), e
+    assert len(generate_grpc(tiny_server.grpc_url, prompt="hi", max_tokens=3).token_ids) == 3
+
+
+def test_stop_words_cut_the_output(tiny_server):
+    full = generate_grpc(tiny_server.grpc_url, prompt=PROMPTS[1], mode="dflow", max_tokens=24, block_size=4)
+    word = full.text[len(full.text) // 2:][:2]
+    cut = generate_grpc(tiny_server.grpc_url, prompt=PROMPTS[1], mode="dflow", max_tokens=24, block_size=4,
+                        stop_words=[word])
+    assert cut.stats["finish_reason"] == "stop_word" and word in cut.text
+    assert cut.token_ids == full.token_ids[:len(cut.token_ids)] and len(cut.token_ids) < len(full.token_ids)
+
+
+def test_missing_artefact_fails_the_model_load_with_a_clear_line(tmp_path):
+    repo = write_repository(tmp_path / "repo", {"dflow": {"target": "tiny-qwen3", "dflow_drafter": "/nonexistent/drafter"}},
+                            models=("dflow",))
+    with pytest.raises(UserError, match="exited with code"):
+        _serve(repo, tmp_path)
+    log = (tmp_path / "server.log").read_text()
+    assert "dflow: failed to load: drafter /nonexistent/drafter does not exist" in log
+
+
+@pytest.mark.slow
+def test_default_repository_serves_smollm2_like_generate(tmp_path):
+    """The checked-in triton_repo (smollm2-135m + shipped drafters) equals `dflow-trt generate`."""
+    with _serve(DEFAULT_REPOSITORY, tmp_path) as s:
+        for prompt in ("Write a Python function that reverses a string.", "What is 12 times 7?"):
+            for mode in ("ar", "dflash", "dflow"):
+                r = subprocess.run([sys.executable, "-m", "dflow_trt.cli", "generate", "--mode", mode, "--chat",
+                                    "--prompt", prompt, "--max-new-tokens", "24", "--json"],
+                                   capture_output=True, text=True, timeout=600)
+                assert r.returncode == 0, r.stderr
+                ref = json.loads(r.stdout)
+                for model in ("dflow", "dflow_bls"):
+                    got = generate_grpc(s.grpc_url, model, prompt=prompt, mode=mode, max_tokens=24, chat=True)
+                    assert got.token_ids == ref["token_ids"], (model, mode, prompt)
+                    assert got.text == ref["text"]
