@@ -180,3 +180,17 @@ def test_default_repository_serves_smollm2_like_generate(tmp_path):
                     got = generate_grpc(s.grpc_url, model, prompt=prompt, mode=mode, max_tokens=24, chat=True)
                     assert got.token_ids == ref["token_ids"], (model, mode, prompt)
                     assert got.text == ref["text"]
+
+
+def test_load_generator_reports_a_sweep(tiny_server, tmp_path):
+    from dflow_trt.serving.load import perf_analyzer_inputs, run_point, write_report
+
+    pts = [run_point(tiny_server.grpc_url, PROMPTS, m, c, 4, 8, chat=False) for m in ("ar", "dflow") for c in (1, 2)]
+    for p in pts:
+        assert p.requests == 4 and p.output_tokens_per_s > 0 and p.ttft_ms["p50"] <= p.latency_ms["p99"]
+        assert p.itl_ms["p50"] is not None and p.ttft_ms["p50"] <= p.ttft_ms["p90"] <= p.ttft_ms["p99"]
+    files = write_report(pts, tmp_path / "load")
+    assert all(f.stat().st_size > 0 for f in files)
+    assert json.loads(files[0].read_text())["points"][3]["concurrency"] == 2
+    cmd = perf_analyzer_inputs(PROMPTS[:2], "dflow", 8, tmp_path / "pa.json")
+    assert "--streaming" in cmd and json.loads((tmp_path / "pa.json").read_text())["data"][0]["text_input"] == [PROMPTS[0]]
