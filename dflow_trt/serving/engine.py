@@ -263,8 +263,8 @@ class DecodingEngine:
                 tokens.extend(new)
                 if req.stop_words:
                     keep = self._stop_cut(tokens, len(tokens) - len(new), req.stop_words)
-                    del tokens[keep:]
-                    if self._has_stop(tokens, req.stop_words):
+                    if keep is not None:
+                        del tokens[keep:]
                         sent["stopped"] = "stop_word"
                 text = self._decode(tokens)
                 if sent["stopped"] is None:
@@ -306,15 +306,10 @@ class DecodingEngine:
             emit(Chunk(token_ids=[], text=rest, final=True, stats=stats))
         return stats
 
-    def _has_stop(self, tokens: list[int], stop_words: list[str]) -> bool:
-        text = self._decode(tokens)
-        return any(w in text for w in stop_words)
-
-    def _stop_cut(self, tokens: list[int], start: int, stop_words: list[str]) -> int:
-        """Length to keep: through the first token at which a stop word appears in the text."""
-        text = self._decode(tokens)
-        if not any(w in text for w in stop_words):
-            return len(tokens)
+    def _stop_cut(self, tokens: list[int], start: int, stop_words: list[str]) -> int | None:
+        """Length to keep (through the first token at which a stop word appears), or None if none does."""
+        if not any(w in self._decode(tokens) for w in stop_words):
+            return None
         for k in range(max(1, start), len(tokens) + 1):
             if any(w in self._decode(tokens[:k]) for w in stop_words):
                 return k
