@@ -115,50 +115,21 @@ class DFlowModel:
             t.join(timeout=30)
 
 
-class TargetModel:
-    """Stateless target: logits and tap hidden states of the last `num_last` positions."""
+class _StatelessModel:
+    """Shared request handling of `target` and `drafter`: `info_only` answers, errors as responses."""
+
+    NAMES: tuple[str, ...] = ()
+
+    def load(self, params, repo):
+        raise NotImplementedError
+
+    def compute(self, x: dict) -> dict[str, np.ndarray]:
+        raise NotImplementedError
 
     def initialize(self, args):
-        from .services import load_target_service
-
         params, repo = _parameters(args)
         try:
-            self.service = load_target_service(params, repo, log=log.log_info)
-        except UserError as e:
-            _fail_load(args["model_name"], e)
-
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            x = _inputs(request, ("input_ids", "prompt_lens", "num_last", "info_only"))
-            try:
-                if "info_only" in x and bool(x["info_only"].reshape(-1)[0]):
-                    outs = [pb_utils.Tensor("info", np.array([self.service.info_json()], dtype=object))]
-                else:
-                    missing = [n for n in ("input_ids", "prompt_lens", "num_last") if n not in x]
-                    if missing:
-                        raise UserError(f"target: missing inputs {missing}")
-                    logits, hidden = self.service.forward(x["input_ids"], x["prompt_lens"],
-                                                          int(x["num_last"].reshape(-1)[0]))
-                    outs = [pb_utils.Tensor("logits", logits), pb_utils.Tensor("hidden_states", hidden)]
-                responses.append(pb_utils.InferenceResponse(output_tensors=outs))
-            except UserError as e:
-                responses.append(_error(str(e)))
-        return responses
-
-
-class DrafterModel:
-    """Stateless drafter: one block of drafts (and their distribution when sampling) per call."""
-
-    NAMES = ("info_only", "mode", "block_size", "context_taps", "context_lens", "anchor_ids", "anchor_pos",
-             "temperature", "top_p", "top_k", "seed", "flow_taps", "flow_token_ids", "flow_hint_ids", "flow_valid")
-
-    def initialize(self, args):
-        from .services import load_drafter_service
-
-        params, repo = _parameters(args)
-        try:
-            self.service = load_drafter_service(params, repo, log=log.log_info)
+            self.service = self.load(params, repo)
         except UserError as e:
             _fail_load(args["model_name"], e)
 
@@ -168,15 +139,48 @@ class DrafterModel:
             x = _inputs(request, self.NAMES)
             try:
                 if "info_only" in x and bool(x["info_only"].reshape(-1)[0]):
-                    outs = [pb_utils.Tensor("info", np.array([self.service.info_json()], dtype=object))]
+                    out = {"info": np.array([self.service.info_json()], dtype=object)}
                 else:
-                    scalars = {k: x[k].reshape(-1)[0] for k in ("mode", "block_size", "temperature", "top_p",
-                                                                 "top_k", "seed") if k in x}
-                    if isinstance(scalars.get("mode"), (bytes, np.bytes_)):
-                        scalars["mode"] = scalars["mode"].decode()
-                    res = self.service.draft({**x, **scalars})
-                    outs = [pb_utils.Tensor(k, v) for k, v in res.items()]
-                responses.append(pb_utils.InferenceResponse(output_tensors=outs))
+                    out = self.compute(x)
+                responses.append(pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor(k, v) for k, v in out.items()]))
             except (UserError, KeyError) as e:
-                responses.append(_error(f"drafter: bad request: {e}"))
+                responses.append(_error(f"{type(self).__name__}: bad request: {e}"))
         return responses
+
+
+class TargetModel(_StatelessModel):
+    """Stateless target: logits and tap hidden states of the last `num_last` positions."""
+
+    NAMES = ("input_ids", "prompt_lens", "num_last", "info_only")
+
+    def load(self, params, repo):
+        from .services import load_target_service
+
+        return load_target_service(params, repo, log=log.log_info)
+
+    def compute(self, x):
+        missing = [n for n in ("input_ids", "prompt_lens", "num_last") if n not in x]
+        if missing:
+            raise UserError(f"missing inputs {missing}")
+        logits, hidden = self.service.forward(x["input_ids"], x["prompt_lens"], int(x["num_last"].reshape(-1)[0]))
+        return {"logits": logits, "hidden_states": hidden}
+
+
+class DrafterModel(_StatelessModel):
+    """Stateless drafter: one block of drafts (and their distribution when sampling) per call."""
+
+    NAMES = ("info_only", "mode", "block_size", "context_taps", "context_lens", "anchor_ids", "anchor_pos",
+             "temperature", "top_p", "top_k", "seed", "flow_taps", "flow_token_ids", "flow_hint_ids", "flow_valid")
+
+    def load(self, params, repo):
+        from .services import load_drafter_service
+
+        return load_drafter_service(params, repo, log=log.log_info)
+
+    def compute(self, x):
+        scalars = {k: x[k].reshape(-1)[0] for k in ("mode", "block_size", "temperature", "top_p", "top_k", "seed")
+                   if k in x}
+        if isinstance(scalars.get("mode"), (bytes, np.bytes_)):
+            scalars["mode"] = scalars["mode"].decode()
+        return self.service.draft({**x, **scalars})
