@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from .decoding.loop import generate
 from .drafter.defaults import load_target_and_drafter
+from .prompting import encode_prompt
 from .drafter.runtime import TorchDrafter
 from .errors import UserError
 from .evalsets import load_prompts
@@ -44,13 +45,6 @@ class ModeRun:
         """P(draft position k is accepted), k = 1..block-1: a round with length a accepted a-1 drafts."""
         n = max(1, len(self.acceptance))
         return [sum(a - 1 >= k for a in self.acceptance) / n for k in range(1, self.block_size)]
-
-
-def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:
-    if chat:
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=True)["input_ids"])
-    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
 
 def run_mode(target_name: str, drafter_path: str | None, mode: str, prompts: list[list[int]], max_new_tokens: int,
@@ -136,7 +130,7 @@ def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], da
     per_dataset: dict[str, dict[str, ModeRun]] = {}
     for ds in datasets:
         texts = load_prompts(ds)[:num_prompts]
-        ids = [_encode(loaded.tokenizer, t, chat) for t in texts]
+        ids = [encode_prompt(loaded.tokenizer, t, chat) for t in texts]
         name = Path(ds).stem if ds.endswith(".jsonl") else ds
         per_dataset[name] = {m: run_mode(target, drafters.get(m), m, ids, max_new_tokens, block_size,
                                          warn=lambda s: console.print(f"[yellow]{s}"), target=loaded)

@@ -16,16 +16,11 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
-def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:
-    from .prompting import encode_prompt
-
-    return encode_prompt(tokenizer, prompt, chat)
-
-
 def cmd_generate(a: argparse.Namespace) -> int:
     from .decoding.loop import generate
     from .decoding.sampling import SamplingParams
     from .backends.loading import load_backends
+    from .prompting import encode_prompt
 
     if a.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
@@ -35,7 +30,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise UserError("empty prompt: pass --prompt with some text")
     sampling = SamplingParams(a.temperature, a.top_p, a.top_k, a.seed)
     target, drafter = load_backends(a.target, a.drafter, a.mode, a.backend, a.build_dir, a.block_size)
-    prompt_ids = _encode(target.tokenizer, a.prompt, a.chat)
+    prompt_ids = encode_prompt(target.tokenizer, a.prompt, a.chat)
     res = generate(target, drafter, [prompt_ids], a.mode, a.max_new_tokens, sampling)
     ids = res.token_ids[0]
     text = target.tokenizer.decode(ids, skip_special_tokens=True)

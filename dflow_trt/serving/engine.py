@@ -53,9 +53,11 @@ class ServeConfig:
                 kw[k] = kind(v)
             except ValueError:
                 raise UserError(f"parameter {k!r} must be {kind.__name__}, got {v!r}") from None
-        for k in ("build_dir", "dflash_drafter", "dflow_drafter"):  # relative paths: from the repository
-            if kw.get(k) and repo_dir is not None and not Path(kw[k]).is_absolute():
-                kw[k] = str((repo_dir / kw[k]).resolve())
+        from .services import resolve_path
+
+        for k in ("build_dir", "dflash_drafter", "dflow_drafter"):
+            if kw.get(k):
+                kw[k] = resolve_path(kw[k], repo_dir)
         cfg = cls(**kw)
         if cfg.backend not in BACKENDS:
             raise UserError(f"parameter backend={cfg.backend!r}; use one of {', '.join(BACKENDS)}")

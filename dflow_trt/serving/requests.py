@@ -72,7 +72,7 @@ def parse_request(inputs: dict[str, np.ndarray], limits: Limits = Limits()) -> D
     if mode not in MODES:
         raise RequestError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
     block = _scalar(inputs, "block_size", int, 0)
-    if block not in (0,) and block < 2:
+    if block != 0 and block < 2:
         raise RequestError(f"block_size must be at least 2 (anchor + one draft), or 0 for the drafter's own; got {block}")
     seed = _scalar(inputs, "seed", int, None)
     stop = inputs.get("stop_words")

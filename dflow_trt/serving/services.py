@@ -22,8 +22,11 @@ def _check(params: dict[str, str], known: tuple[str, ...], model: str) -> None:
         torch.set_num_threads(int(params["threads"]))
 
 
-def _path(p: str, repo: Path) -> str | None:
-    return str((repo / p).resolve()) if p and not Path(p).is_absolute() else (p or None)
+def resolve_path(p: str, repo: Path | None) -> str | None:
+    """A path parameter: relative ones resolve from the repository's parent folder; "" means unset."""
+    if not p:
+        return None
+    return str((repo / p).resolve()) if repo is not None and not Path(p).is_absolute() else p
 
 
 def load_target_service(params: dict[str, str], repo: Path, log: Callable[[str], None] = print) -> TargetService:
@@ -34,7 +37,7 @@ def load_target_service(params: dict[str, str], repo: Path, log: Callable[[str],
         from ..backends.onnxruntime import OrtTarget
         from ..export.manifest import read_manifest
 
-        bdir = _path(params.get("build_dir", ""), repo)
+        bdir = resolve_path(params.get("build_dir", ""), repo)
         if not bdir:
             raise UserError("target: backend=onnxruntime needs parameter build_dir (scripts/build_engines.py output)")
         if read_manifest(bdir)["target"]["name"] != spec:
@@ -44,7 +47,7 @@ def load_target_service(params: dict[str, str], repo: Path, log: Callable[[str],
         raise UserError(f"target: backend={backend!r}; use torch or onnxruntime (tensorrt_llm: GPU hosts, see README)")
     from ..drafter.defaults import load_target_and_drafter
 
-    target, _ = load_target_and_drafter(spec, _path(params.get("drafter", ""), repo), "dflow", warn=log)
+    target, _ = load_target_and_drafter(spec, resolve_path(params.get("drafter", ""), repo), "dflow", warn=log)
     log(f"target model ready: {spec} taps {list(target.info.tap_layers)}")
     return TargetService(target)
 
@@ -55,7 +58,7 @@ def load_drafter_service(params: dict[str, str], repo: Path, log: Callable[[str]
 
     spec, models, base = params.get("target", "smollm2-135m"), {}, None
     for mode in ("dflash", "dflow"):
-        base, models[mode] = load_target_and_drafter(spec, _path(params.get(f"{mode}_drafter", ""), repo), mode,
+        base, models[mode] = load_target_and_drafter(spec, resolve_path(params.get(f"{mode}_drafter", ""), repo), mode,
                                                      warn=log, target=base)
     log(f"drafter model ready: {spec} modes {sorted(models)}")
     return DrafterService(models)
