@@ -63,6 +63,10 @@ def load_target(spec: str, tap_layers: tuple[int, ...] | None = None, num_taps: 
         tokenizer = AutoTokenizer.from_pretrained(spec) if (Path(spec) / "tokenizer_config.json").is_file() else None
     else:
         raise UserError(f"unknown target {spec!r}; use one of {', '.join(TARGET_NAMES)} or a checkpoint folder")
+    if tokenizer is not None and len(tokenizer) > model.config.vocab_size:
+        raise UserError(f"the tokenizer of {spec} has {len(tokenizer)} tokens but the model's vocabulary has "
+                        f"{model.config.vocab_size}: they belong to different models; put the model's own "
+                        f"tokenizer files next to its config.json")
     model = model.to(device)
     n = model.config.num_hidden_layers
     taps = tuple(tap_layers) if tap_layers is not None else default_tap_layers(n, num_taps)

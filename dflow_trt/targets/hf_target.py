@@ -41,6 +41,15 @@ def target_fingerprint(model: PreTrainedModel) -> str:
     return h.hexdigest()[:16]
 
 
+def tokenizer_fingerprint(tokenizer) -> str | None:
+    """Hash of what turns text into ids (vocabulary, special tokens, chat template); None without one."""
+    if tokenizer is None:
+        return None
+    d = {"vocab": sorted(tokenizer.get_vocab().items()), "specials": sorted(map(str, tokenizer.all_special_tokens)),
+         "chat_template": getattr(tokenizer, "chat_template", None)}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 @dataclass
 class HFCache:
     kv: DynamicCache

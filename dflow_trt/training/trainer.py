@@ -114,6 +114,11 @@ def _draft_vocab(train: list[Sequence], size: int | None, vocab: int, always: tu
     return torch.tensor(sorted(ids + rest[: size - len(ids)]))
 
 
+def _fits(seqs: list[Sequence], max_len: int) -> list[Sequence]:
+    """Sequences with at least two response tokens inside `max_len` (an anchor and one label)."""
+    return [s for s in seqs if min(len(s.ids), max_len) >= len(s.prompt_ids) + 2]
+
+
 def _collate(seqs: list[Sequence], max_len: int) -> Batch:
     T = min(max_len, max(len(s.ids) for s in seqs))
     ids = torch.zeros(len(seqs), T, dtype=torch.long)
@@ -164,6 +169,8 @@ def _load_ckpt(path: Path) -> dict:
 @torch.no_grad()
 def evaluate(obj: Objective, heldout: list[Sequence], cfg: TrainConfig) -> dict:
     """Teacher-forced greedy τ on held-out sequences: without flow, and (DFlow) with flow."""
+    if not heldout:
+        return {}
     gen = torch.Generator().manual_seed(1234)
     acc1, acc2 = [], []
     obj.drafter.eval()
@@ -193,7 +200,12 @@ def train(cfg: TrainConfig) -> Path:
     ckpt_path = out / "checkpoint.pt"
 
     probe = load_target(cfg.target, num_taps=cfg.num_taps, device=device)
-    train_seqs, heldout = load_dataset(Path(cfg.data_dir), probe)
+    train_seqs, heldout = (_fits(x, cfg.max_len) for x in load_dataset(Path(cfg.data_dir), probe))
+    if not train_seqs:
+        raise UserError(f"no training sequence in {cfg.data_dir} has a response within max_len={cfg.max_len} "
+                        f"tokens; raise --max-len")
+    if not heldout and rank == 0:
+        print(f"warning: no held-out sequence fits max_len={cfg.max_len}; training runs without τ evaluation")
     dcfg = untrained_config(probe, flow=cfg.objective == "dflow", block_size=cfg.block_size, num_layers=cfg.num_layers)
     dcfg = type(dcfg)(**{**dcfg.__dict__, "draft_vocab_size": cfg.draft_vocab_size,
                          "extra": {"name": f"{cfg.target}-{cfg.objective}", "objective": cfg.objective}})

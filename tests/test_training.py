@@ -1,0 +1,213 @@
+"""The real trainer on tiny-qwen3 data: both objectives, torchrun DDP, kill + resume, bad input."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import chat_ids
+from dflow_trt.decoding.loop import generate
+from dflow_trt.drafter.io import load_drafter
+from dflow_trt.drafter.runtime import TorchDrafter
+from dflow_trt.targets import load_target
+from dflow_trt.training.data import generate_dataset
+
+# Small enough for seconds per run; max_len keeps every sequence (prompts reach ~320 tokens).
+TRAIN = ["--target", "tiny-qwen3", "--seqs-per-step", "2", "--anchors-per-seq", "4", "--block-size", "4",
+         "--draft-vocab-size", "64", "--max-len", "400", "--eval-seqs", "4", "--threads", "1"]
+
+
+def _cli(*args, timeout=600, **kw):
+    return subprocess.run([sys.executable, "-m", "dflow_trt.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+def _error(r, *needles):
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") and "Traceback" not in r.stderr, r.stderr[-2000:]
+    for n in needles:
+        assert n in last, last
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory, tiny_qwen3):
+    d = tmp_path_factory.mktemp("data") / "tiny"
+    # heldout_every=8: 6 of 48 prompts held out, so evaluation has sequences
+    generate_dataset(tiny_qwen3, d, num_prompts=48, max_new_tokens=24, batch_size=8, shard_size=16, heldout_every=8)
+    return d
+
+
+@pytest.fixture(scope="module")
+def trained(data_dir, tmp_path_factory):
+    """One finished single-process run per objective: {objective: out_dir}."""
+    outs = {}
+    for obj in ("dflash", "dflow"):
+        out = tmp_path_factory.mktemp(obj)
+        r = _cli("train", *TRAIN, "--data-dir", str(data_dir), "--out-dir", str(out), "--objective", obj,
+                 "--steps", "40", "--lr", "3e-3", "--eval-every", "20", "--ckpt-every", "10")
+        assert r.returncode == 0, r.stderr[-3000:]
+        outs[obj] = out
+    return outs
+
+
+def _log(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "drafter" / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_dataset_manifest_and_heldout(data_dir, tiny_qwen3):
+    m = json.loads((data_dir / "manifest.json").read_text())
+    assert m["target_fingerprint"] == tiny_qwen3.info.fingerprint and m["tokenizer_fingerprint"]
+    assert m["shards"] == ["shard-0000.jsonl", "shard-0001.jsonl", "shard-0002.jsonl"]
+    seqs = [json.loads(x) for s in m["shards"] for x in (data_dir / s).read_text().splitlines()]
+    assert sorted(s["id"] for s in seqs) == list(range(48))
+    # the responses are the target's own greedy continuations
+    s = seqs[3]
+    ref = generate(tiny_qwen3, None, [s["prompt_ids"]], "ar", 24).token_ids[0]
+    assert ref == s["response_ids"]
+    # a second call with the same settings resumes (nothing to do) and leaves the shards untouched
+    before = {p.name: p.stat().st_mtime_ns for p in data_dir.glob("shard-*.jsonl")}
+    generate_dataset(tiny_qwen3, data_dir, num_prompts=48, max_new_tokens=24, batch_size=8, shard_size=16,
+                     heldout_every=8)
+    assert before == {p.name: p.stat().st_mtime_ns for p in data_dir.glob("shard-*.jsonl")}
+
+
+@pytest.mark.parametrize("objective", ["dflash", "dflow"])
+def test_training_learns_and_decodes_losslessly(trained, objective, tiny_qwen3):
+    out = trained[objective]
+    log = _log(out)
+    assert [r["step"] for r in log] == list(range(1, 41))
+    first, last = sum(r["loss"] for r in log[:5]) / 5, sum(r["loss"] for r in log[-5:]) / 5
+    assert last < first, (first, last)
+    assert all(r["grad_norm"] == r["grad_norm"] for r in log)  # no NaN
+    evals = [r for r in log if "eval_tau_noflow" in r]
+    assert [r["step"] for r in evals] == [20, 40] and all(r["eval_tau_noflow"] >= 1 for r in evals)
+    assert ("eval_tau_flow" in evals[-1]) == (objective == "dflow")
+    files = {p.name for p in (out / "drafter").iterdir()}
+    assert {"config.json", "model.safetensors", "training_config.json", "train_log.jsonl",
+            "data_manifest.json"} <= files
+    # embeddings and LM head are the target's: not stored
+    weights = load_file(out / "drafter" / "model.safetensors")
+    assert not any("embed" in k or "lm_head" in k for k in weights), sorted(weights)
+    cfg = json.loads((out / "drafter" / "config.json").read_text())
+    target = tiny_qwen3.with_taps(tuple(cfg["tap_layers"]))
+    drafter = load_drafter(out / "drafter", target)
+    prompts = [chat_ids(target, "What is 12 plus 30?"), chat_ids(target, "Write a haiku about rain.")]
+    ar = generate(target, None, prompts, "ar", 24, stop_token_ids=()).token_ids
+    for S in (2, 4):
+        res = generate(target, TorchDrafter(drafter, S), prompts, objective, 24, stop_token_ids=())
+        assert res.token_ids == ar, (objective, S)
+
+
+def test_torchrun_two_processes_make_the_same_kind_of_checkpoint(trained, data_dir, tmp_path):
+    out = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "dflow_trt.cli", "train", *TRAIN, "--data-dir", str(data_dir), "--out-dir", str(out),
+                        "--objective", "dflow", "--steps", "40", "--lr", "3e-3", "--eval-every", "20",
+                        "--ckpt-every", "10"], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    one = trained["dflow"]
+    assert {p.name for p in (out / "drafter").iterdir()} == {p.name for p in (one / "drafter").iterdir()}
+    w1, w2 = load_file(one / "drafter" / "model.safetensors"), load_file(out / "drafter" / "model.safetensors")
+    assert {k: v.shape for k, v in w1.items()} == {k: v.shape for k, v in w2.items()}
+    assert any(not torch.equal(w1[k], w2[k]) for k in w1)  # two shards of data: another trajectory
+    c1, c2 = (json.loads((d / "drafter" / "config.json").read_text()) for d in (one, out))
+    assert c1 == c2
+    ck = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert ck["world"] == 2 and ck["step"] == 40 and len(ck["rng"]) == 2
+    assert [r["step"] for r in _log(out)] == list(range(1, 41))
+    # a 2-process checkpoint is not resumed by 1 process (its data shards and RNGs differ)
+    r = _cli("train", *TRAIN, "--data-dir", str(data_dir), "--out-dir", str(out), "--objective", "dflow",
+             "--steps", "50", "--lr", "3e-3", "--eval-every", "20", "--ckpt-every", "10")
+    _error(r, "another config or process count")
+
+
+def _ckpt_step(path: Path) -> int:
+    try:
+        return torch.load(path, weights_only=False)["step"]
+    except Exception:  # noqa: BLE001 - not there yet
+        return 0
+
+
+def test_killed_run_resumes_to_the_same_drafter(data_dir, tmp_path):
+    args = ["train", *TRAIN, "--data-dir", str(data_dir), "--objective", "dflow", "--steps", "300",
+            "--lr", "1e-3", "--eval-every", "100", "--ckpt-every", "5"]
+    whole = tmp_path / "whole"
+    r = _cli(*args, "--out-dir", str(whole))
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    cut = tmp_path / "cut"
+    p = subprocess.Popen([sys.executable, "-m", "dflow_trt.cli", *args, "--out-dir", str(cut)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.time()
+    while _ckpt_step(cut / "checkpoint.pt") < 10 and p.poll() is None and time.time() - t0 < 300:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)  # what a stopping session does
+    p.wait()
+    step = _ckpt_step(cut / "checkpoint.pt")
+    assert 10 <= step < 300, f"the run was not cut mid-way (checkpoint at step {step})"
+    assert not (cut / "drafter").exists()
+
+    r = _cli(*args, "--out-dir", str(cut))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from step {step}" in r.stdout
+    assert [x["step"] for x in _log(cut)] == list(range(1, 301))
+    a, b = load_file(whole / "drafter" / "model.safetensors"), load_file(cut / "drafter" / "model.safetensors")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    la, lb = _log(whole), _log(cut)
+    assert [x["loss"] for x in la] == [x["loss"] for x in lb]
+
+
+def test_data_of_another_target_is_refused(data_dir, tmp_path):
+    r = _cli("train", *TRAIN[2:], "--target", "tiny-llama", "--data-dir", str(data_dir),
+             "--out-dir", str(tmp_path / "o"), "--steps", "2")
+    _error(r, "generated by target 'tiny-qwen3'", "make-data --target tiny-llama")
+    assert not (tmp_path / "o" / "checkpoint.pt").exists()
+
+
+def test_corrupt_or_foreign_checkpoint_is_refused(trained, data_dir, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "checkpoint.pt").write_bytes(b"\x80\x02 this is not a checkpoint")
+    r = _cli("train", *TRAIN, "--data-dir", str(data_dir), "--out-dir", str(out), "--steps", "2")
+    _error(r, "corrupt or unreadable", "delete it")
+    # a checkpoint of the other objective is not silently continued
+    shutil.copy(trained["dflash"] / "checkpoint.pt", out / "checkpoint.pt")
+    r = _cli("train", *TRAIN, "--data-dir", str(data_dir), "--out-dir", str(out), "--objective", "dflow",
+             "--steps", "40", "--lr", "3e-3")
+    _error(r, "another config")
+
+
+def test_mismatched_tokenizer_is_refused(tiny_qwen3, tmp_path):
+    from dflow_trt.targets.tiny import byte_tokenizer
+
+    ckpt = tmp_path / "ckpt"
+    tiny_qwen3.model.save_pretrained(ckpt)
+    tiny_qwen3.tokenizer.save_pretrained(ckpt)
+    target = load_target(str(ckpt), num_taps=3)
+    data = tmp_path / "data"
+    generate_dataset(target, data, num_prompts=8, max_new_tokens=8, batch_size=8, shard_size=8, heldout_every=4)
+
+    # same weights, a tokenizer with another chat template: the cached ids mean other text
+    other = byte_tokenizer()
+    other.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    other.save_pretrained(ckpt)
+    r = _cli("train", *TRAIN[2:], "--target", str(ckpt), "--data-dir", str(data), "--out-dir",
+             str(tmp_path / "o"), "--steps", "2")
+    _error(r, "another tokenizer", "make-data")
+
+    # a tokenizer with more tokens than the model's vocabulary belongs to another model
+    other.add_tokens([f"<extra_{i}>" for i in range(8)])
+    other.save_pretrained(ckpt)
+    r = _cli("generate", "--target", str(ckpt), "--mode", "ar", "--prompt", "hi", "--max-new-tokens", "2")
+    _error(r, "tokens but the model's vocabulary has 260")
