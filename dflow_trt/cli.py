@@ -65,16 +65,19 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def cmd_client(a: argparse.Namespace) -> int:
-    from .serving.client import generate_grpc, health
+    from .serving.client import generate_grpc, generate_http, health
 
-    if not health(a.url):
-        raise UserError(f"no ready Triton server with the dflow model at {a.url}; start one with `python scripts/serve.py`")
+    url = a.url or ("127.0.0.1:8000" if a.protocol == "http" else "127.0.0.1:8001")
+    if not health(url, a.protocol, a.model):
+        raise UserError(f"no ready Triton server with the {a.model} model at {url} ({a.protocol}); "
+                        f"start one with `python scripts/serve.py`")
 
     def show(ids, text):
         if a.stream and not a.json:
             print(text, end="", flush=True)
 
-    res = generate_grpc(a.url, a.model, on_tokens=show, prompt=a.prompt, max_tokens=a.max_new_tokens, mode=a.mode,
+    send = generate_http if a.protocol == "http" else generate_grpc
+    res = send(url, a.model, on_tokens=show, prompt=a.prompt, max_tokens=a.max_new_tokens, mode=a.mode,
                         temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
                         stop_words=a.stop or None, block_size=a.block_size, chat=a.chat)
     if a.json:
@@ -164,7 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     c = sub.add_parser("client", help="decode through a running Triton server (gRPC streaming)")
-    c.add_argument("--url", default="127.0.0.1:8001", help="the server's gRPC address")
+    c.add_argument("--url", default=None, help="HOST:PORT (default 127.0.0.1:8001 for grpc, :8000 for http)")
+    c.add_argument("--protocol", default="grpc", choices=["grpc", "http"],
+                   help="grpc: tritonclient streaming; http: Triton's generate_stream (server-sent events)")
     c.add_argument("--model", default="dflow", help="dflow (in-process) or dflow_bls (BLS orchestration)")
     c.add_argument("--prompt", required=True)
     c.add_argument("--mode", default="dflow", choices=["ar", "dflash", "dflow"])

@@ -88,6 +88,10 @@ def test_dflash_layout(quantized, tiny_qwen3, tmp_path):
     assert not any("embed" in n or "lm_head" in n for n in names)
     with pytest.raises(Exception, match="flow"):
         hf_drafter.export_drafter_hf(qd[True], tmp_path / "z2", "dflash")
+    c = qd[False].config
+    assert hf_drafter.zlab_unsupported(c) is None
+    reduced = type(c)(**{**c.__dict__, "draft_vocab_size": 64})  # the target's LM head has 260 rows
+    assert "--draft-vocab-size 260" in hf_drafter.zlab_unsupported(reduced)
 
 
 def test_target_trtllm_checkpoint_names_and_shards(quantized, tmp_path):

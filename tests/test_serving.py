@@ -15,7 +15,7 @@ from dflow_trt.backends.loading import load_backends
 from dflow_trt.decoding.loop import generate
 from dflow_trt.errors import UserError
 from dflow_trt.prompting import encode_prompt
-from dflow_trt.serving.client import _inputs, generate_grpc, request_arrays
+from dflow_trt.serving.client import _inputs, generate_grpc, generate_http, request_arrays
 from dflow_trt.serving.repository import MODELS, write_repository
 from dflow_trt.serving.server import DEFAULT_REPOSITORY, start_server
 
@@ -84,6 +84,37 @@ def test_streaming_delivers_rounds(tiny_server):
     assert res.text and res.stats["tau"] == pytest.approx(sum(acc) / len(acc))
 
 
+def test_http_generate_stream_equals_grpc(tiny_server, tiny_reference):
+    for mode in ("ar", "dflash", "dflow"):
+        kw = dict(prompt=PROMPTS[1], mode=mode, max_tokens=20, block_size=4)
+        h, g = generate_http(tiny_server.http_url, **kw), generate_grpc(tiny_server.grpc_url, **kw)
+        assert h.token_ids == g.token_ids == tiny_reference(PROMPTS[1], mode, 20, 4), mode
+        assert h.chunk_sizes == g.chunk_sizes and h.text == g.text  # the same rounds, as server-sent events
+        assert h.stats["acceptance_lengths"] == g.stats["acceptance_lengths"]
+    cut = generate_http(tiny_server.http_url, prompt=PROMPTS[1], mode="dflow", max_tokens=20, block_size=4,
+                        stop_words=[g.text[len(g.text) // 2:][:2]])
+    assert cut.stats["finish_reason"] == "stop_word"
+    with pytest.raises(UserError, match="unknown mode"):
+        generate_http(tiny_server.http_url, prompt="hi", mode="beam", max_tokens=4)
+    with pytest.raises(UserError, match="max_tokens"):
+        generate_http(tiny_server.http_url, prompt="hi", max_tokens=0)
+
+
+def test_cli_client_over_both_protocols(tiny_server, tiny_reference):
+    outs = {}
+    for proto, url in (("grpc", tiny_server.grpc_url), ("http", tiny_server.http_url)):
+        r = subprocess.run([sys.executable, "-m", "dflow_trt.cli", "client", "--protocol", proto, "--url", url,
+                            "--prompt", PROMPTS[2], "--mode", "dflow", "--max-new-tokens", "12", "--block-size", "4",
+                            "--json"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        outs[proto] = json.loads(r.stdout)
+        assert {"token_ids", "text", "tau"} <= set(outs[proto])
+    assert outs["grpc"]["token_ids"] == outs["http"]["token_ids"] == tiny_reference(PROMPTS[2], "dflow", 12, 4)
+    r = subprocess.run([sys.executable, "-m", "dflow_trt.cli", "client", "--protocol", "http", "--url",
+                        tiny_server.http_url, "--prompt", "", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "empty prompt" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_eight_concurrent_requests_keep_their_own_state(tiny_server, tiny_reference):
     jobs = [(PROMPTS[i], ("ar", "dflash", "dflow")[i % 3], 16 + 4 * (i % 3), (2, 4, 8)[i % 3]) for i in range(8)]
     out = [None] * 8
@@ -117,6 +148,25 @@ def test_cancelled_request_frees_its_state(tiny_server):
     assert "cancelled after" in tiny_server.log_path.read_text()
     after = generate_grpc(tiny_server.grpc_url, prompt=PROMPTS[0], mode="ar", max_tokens=4)
     assert after.stats["active_requests"] == 0 and len(after.token_ids) == 4
+
+
+def test_http_client_disconnect_does_not_leak_state(tiny_server):
+    """Triton 2.51's HTTP frontend does not cancel a request whose client went away (gRPC does:
+    see above), so the request runs to its max_tokens, and then its state must be gone."""
+    import http.client
+
+    host, port = tiny_server.http_url.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = json.dumps({"text_input": PROMPTS[5], "max_tokens": 120, "mode": "dflow", "block_size": 2})
+    conn.request("POST", "/v2/models/dflow/generate_stream", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data:")  # the first round arrived
+    conn.sock.close()  # the client goes away mid-stream
+    deadline, active = time.time() + 120, None
+    while time.time() < deadline and active != 0:
+        active = generate_grpc(tiny_server.grpc_url, prompt="hi", mode="ar", max_tokens=1).stats["active_requests"]
+        time.sleep(0.5)
+    assert active == 0
 
 
 @pytest.mark.parametrize("change,needle", [

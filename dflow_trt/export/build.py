@@ -195,12 +195,18 @@ class Build:
 
         hf = self.dir / "fp8" / "hf"
         self.stage("fp8-hf-target", calib_in, [hf / "target"], lambda: fp8.export_target_hf_fp8(q_target(), hf / "target"))
+        # z-lab's layout holds flow-off drafters over the full vocabulary only
+        self.zlab = {k: hf_drafter.zlab_unsupported(m.config) for k, m in drafters.items()}
+        for k, why in self.zlab.items():
+            if why and not drafters[k].config.flow:
+                self.log(f"  note: drafter-{k} is not written in z-lab's DFlash layout: {why}")
         for k, m in drafters.items():
-            outs = [hf / f"drafter-{k}"] + ([hf / f"drafter-{k}-dflash"] if not m.config.flow else [])
+            zlab = self.zlab[k] is None
+            outs = [hf / f"drafter-{k}"] + ([hf / f"drafter-{k}-dflash"] if zlab else [])
 
-            def write(k=k, m=m):
+            def write(k=k, zlab=zlab):
                 hf_drafter.export_drafter_hf(q_drafter(k), hf / f"drafter-{k}", "dflow")
-                if not m.config.flow:
+                if zlab:
                     hf_drafter.export_drafter_hf(q_drafter(k), hf / f"drafter-{k}-dflash", "dflash")
             self.stage(f"fp8-hf-drafter-{k}", {**calib_in, "drafter": src[f"drafter-{k}"]}, outs, write)
 
@@ -213,7 +219,7 @@ class Build:
                        [ck / f"drafter-{k}-tp{tp}"],
                        lambda k=k: trtllm.export_drafter_checkpoint(q_drafter(k), ck / f"drafter-{k}-tp{tp}", tp))
 
-        flow_off = [k for k, m in drafters.items() if not m.config.flow]
+        flow_off = [k for k in drafters if self.zlab[k] is None]
         dflash_dir = str((hf / f"drafter-{flow_off[0]}-dflash").resolve()) if flow_off else None
         block = drafters[flow_off[0]].config.block_size if flow_off else next(iter(drafters.values())).config.block_size
         trt = self.dir / "trtllm"
@@ -268,6 +274,8 @@ class Build:
                "dtypes": {"onnx": "float32", "fp8_hf": "float8_e4m3fn weights+activations (per-tensor), rest float32",
                           "trtllm_target": "float8_e4m3fn weights+activations, rest float16",
                           "trtllm_drafter": "float8_e4m3fn weights+activations, rest float32"},
+               "zlab_dflash_layout": {k: ("written" if why is None else f"not written: {why}")
+                                      for k, why in getattr(self, "zlab", {}).items()},
                "tools": self.tools, "artefacts": self.artefacts, "engines": getattr(self, "engines", None)}
         mf.write_manifest(self.dir, man)
         self.log(f"manifest: {self.dir / mf.MANIFEST}")

@@ -36,6 +36,16 @@ def zlab_name(name: str) -> str:
     return name
 
 
+def zlab_unsupported(c) -> str | None:
+    """Why a drafter config has no z-lab DFlash form (None: it has one)."""
+    if c.flow:
+        return "it is flow-conditioned (DFlow); that layout has no flow input"
+    if c.draft_vocab_size is not None:
+        return (f"it drafts over a reduced vocabulary ({c.draft_vocab_size} tokens) and that layout uses the "
+                f"target's full LM head; train with --draft-vocab-size {c.target.vocab_size} to get it")
+    return None
+
+
 def dflash_config(drafter: DFlowDrafter, dtype: str = "float32") -> dict:
     c = drafter.config
     return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": c.block_size,
@@ -55,10 +65,9 @@ def export_drafter_hf(drafter: DFlowDrafter, out_dir: str | Path, layout: str = 
     if layout not in ("dflow", "dflash"):
         raise ValueError(layout)
     c = drafter.config
-    if layout == "dflash" and c.flow:
-        raise UserError("z-lab's DFlash layout has no flow conditioning; export a flow-off (dflash) drafter")
-    if layout == "dflash" and c.draft_vocab_size is not None:
-        raise UserError("z-lab's DFlash layout has no reduced draft vocabulary; train with the full vocabulary")
+    why = zlab_unsupported(c) if layout == "dflash" else None
+    if why:
+        raise UserError(f"z-lab's DFlash layout cannot hold this drafter: {why}")
     quantized = any(hasattr(m, "weight_quantizer") for m in drafter.modules())
     if quantized:
         sd = drafter_fp8_state_dict(drafter)

@@ -1,5 +1,9 @@
-"""Client of the `dflow` decoding model over tritonclient: gRPC streaming (tokens as rounds
-commit them) or HTTP (one call, all responses at the end)."""
+"""Client of the `dflow` decoding model: gRPC streaming over tritonclient, or HTTP streaming over
+Triton's generate extension (`POST /v2/models/<model>/generate_stream`, server-sent events).
+
+Triton's HTTP `/infer` refuses decoupled models, and `/generate` wants exactly one response, so
+`generate_stream` is Triton's one HTTP route for a model that answers once per round.
+"""
 
 from __future__ import annotations
 
@@ -109,7 +113,72 @@ def generate_grpc(url: str, model: str = "dflow", on_tokens=None, timeout_s: flo
             c.close()
 
 
-def health(url: str, protocol: str = "grpc") -> bool:
+# inputs whose tensor has a free dimension; the rest are sent as JSON scalars (Triton shape [1])
+_LIST_INPUTS = ("input_ids", "stop_words")
+
+
+def request_json(**request) -> dict:
+    """The request as the generate extension's JSON body (same names and values as `request_arrays`)."""
+    body = {}
+    for k, v in request_arrays(**request).items():
+        vals = [x.decode() if isinstance(x, bytes) else x for x in v.reshape(-1).tolist()]
+        body[k] = vals if k in _LIST_INPUTS else vals[0]
+    return body
+
+
+def _sse_error(text: str) -> str:
+    for line in text.splitlines():
+        if line.startswith("data:"):
+            try:
+                return json.loads(line[5:]).get("error", text)
+            except json.JSONDecodeError:
+                break
+    return text.strip()
+
+
+class _Event:
+    """One generate_stream event, read through the same accessors as a tritonclient result."""
+
+    def __init__(self, d: dict):
+        self.d = d
+
+    def as_numpy(self, name: str):
+        if name not in self.d:
+            return None
+        v = self.d[name]
+        if name == "token_ids":
+            return np.asarray(v if isinstance(v, list) else [v], np.int32)
+        return np.array([v.encode() if isinstance(v, str) else v], dtype=object)
+
+
+def generate_http(url: str, model: str = "dflow", on_tokens=None, timeout_s: float = 600, **request) -> ClientResult:
+    """Stream one request over HTTP (generate_stream); raise UserError with the server's message."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://{url}/v2/models/{model}/generate_stream",
+                                 data=json.dumps(request_json(**request)).encode(),
+                                 headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+    res, t0 = ClientResult(), time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            for raw in r:
+                line = raw.decode("utf-8", "replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                d = json.loads(line[5:])
+                if "error" in d:
+                    raise UserError(f"server error: {d['error']}")
+                if _absorb(res, _Event(d), t0, on_tokens):
+                    return res
+    except urllib.error.HTTPError as e:
+        raise UserError(f"server error: {_sse_error(e.read().decode('utf-8', 'replace'))}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise UserError(f"cannot reach {url} over HTTP: {e}") from None
+    raise UserError(f"the stream from {model} ended without a final response")
+
+
+def health(url: str, protocol: str = "grpc", model: str = "dflow") -> bool:
     if protocol == "http":
         import tritonclient.http as httpclient
 
@@ -119,6 +188,6 @@ def health(url: str, protocol: str = "grpc") -> bool:
 
         c = grpcclient.InferenceServerClient(url)
     try:
-        return bool(c.is_server_live() and c.is_server_ready() and c.is_model_ready("dflow"))
+        return bool(c.is_server_live() and c.is_server_ready() and c.is_model_ready(model))
     except Exception:
         return False
