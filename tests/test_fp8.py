@@ -134,11 +134,14 @@ def test_tp_size_must_divide_heads(quantized, tmp_path):
 
 
 def test_llm_api_config_and_engine_guard(tmp_path):
-    opts = trtllm.llm_api_config("/b/fp8/hf/target", "/b/fp8/hf/drafter-dflash-dflash", 16, [1, 3, 5], tp_size=2)
+    opts = trtllm.llm_api_config("/b/fp8/hf/target", "/b/fp8/hf/drafter-dflash-dflash", 16, [1, 3, 5], tp_size=2,
+                                 mask_token_id=257)
     assert opts["backend"] == "pytorch" and opts["tensor_parallel_size"] == 2
     spec = opts["speculative_config"]
     assert spec["decoding_type"] == "DFlash" and spec["max_draft_len"] == 15
-    assert spec["target_layer_ids"] == [1, 3, 5] and spec["speculative_model_dir"].endswith("-dflash")
+    assert spec["target_layer_ids"] == [1, 3, 5] and spec["speculative_model"].endswith("-dflash")
+    assert spec["mask_token_id"] == 257 and set(spec) <= set(trtllm.DFLASH_SPEC_FIELDS)
+    assert "speculative_config" not in trtllm.llm_api_config("/b/t", None, 16, [1, 3, 5])
     assert "speculative_config:\n  decoding_type: \"DFlash\"" in trtllm.to_yaml(opts)
     cmds = trtllm.engine_build_commands(tmp_path / "ck", tmp_path / "eng", 16, 2)
     flat = cmds[0]

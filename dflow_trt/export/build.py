@@ -227,7 +227,9 @@ class Build:
         commands = trtllm.engine_build_commands((ck / f"target-tp{tp}").resolve(), engine_dir.resolve(), block, tp)
 
         def write_configs():
-            opts = trtllm.llm_api_config(str((hf / "target").resolve()), dflash_dir, block, list(target.info.tap_layers), tp)
+            mask = drafters[flow_off[0]].config.mask_token_id if flow_off else None
+            opts = trtllm.llm_api_config(str((hf / "target").resolve()), dflash_dir, block,
+                                         list(target.info.tap_layers), tp, mask)
             for name, text in (("llm_api.json", json.dumps(opts, indent=2) + "\n"), ("llm_api.yaml", trtllm.to_yaml(opts) + "\n"),
                                ("build_engines.sh", "#!/usr/bin/env bash\n# TensorRT-LLM engine build (GPU host)\nset -euo pipefail\n"
                                 + "\n".join(" ".join(c) for c in commands) + "\n")):

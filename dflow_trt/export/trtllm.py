@@ -219,20 +219,23 @@ def export_drafter_checkpoint(qdrafter: DFlowDrafter, out_dir: str | Path, tp_si
 # ---------------------------------------------------------------- LLM API config and engines
 
 
+# the fields of tensorrt_llm.llmapi.DFlashDecodingConfig that we set
+DFLASH_SPEC_FIELDS = ("decoding_type", "max_draft_len", "speculative_model", "mask_token_id", "target_layer_ids")
+
+
 def llm_api_config(target_hf_dir: str, dflash_dir: str | None, block_size: int, tap_layers: list[int],
-                   tp_size: int = 1) -> dict:
+                   tp_size: int = 1, mask_token_id: int | None = None) -> dict:
     """TensorRT-LLM LLM-API options (PyTorch back end, FP8 target, DFlash drafting with our taps).
 
     Feed to `trtllm-serve <model> --backend pytorch --extra_llm_api_options llm_api.yaml` or
-    `LLM(model=..., **options)` with `speculative_config=DFlashDecodingConfig(**spec)`."""
+    `LLM(model=..., speculative_config=DFlashDecodingConfig(**options["speculative_config"]))`.
+    Without a z-lab-layout drafter (`dflash_dir` None) the target is served without drafting."""
     opts = {"model": target_hf_dir, "backend": "pytorch", "tensor_parallel_size": tp_size,
             "disable_overlap_scheduler": True, "kv_cache_config": {"enable_block_reuse": False}}
     if dflash_dir is not None:
-        opts["speculative_config"] = {"decoding_type": "DFlash", "max_draft_len": block_size - 1,
-                                      "speculative_model_dir": dflash_dir,
-                                      # recorded for checks; TensorRT-LLM reads them from the drafter's
-                                      # dflash_config, these must agree
-                                      "block_size": block_size, "target_layer_ids": list(tap_layers)}
+        spec = {"decoding_type": "DFlash", "max_draft_len": block_size - 1, "speculative_model": dflash_dir,
+                "mask_token_id": mask_token_id, "target_layer_ids": list(tap_layers)}
+        opts["speculative_config"] = {k: v for k, v in spec.items() if v is not None}
     return opts
 
 
