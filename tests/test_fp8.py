@@ -90,8 +90,9 @@ def test_dflash_layout(quantized, tiny_qwen3, tmp_path):
         hf_drafter.export_drafter_hf(qd[True], tmp_path / "z2", "dflash")
     c = qd[False].config
     assert hf_drafter.zlab_unsupported(c) is None
+    assert hf_drafter.zlab_vocab_note(c) is None
     reduced = type(c)(**{**c.__dict__, "draft_vocab_size": 64})  # the target's LM head has 260 rows
-    assert "--draft-vocab-size 260" in hf_drafter.zlab_unsupported(reduced)
+    assert hf_drafter.zlab_unsupported(reduced) is None and "(260)" in hf_drafter.zlab_vocab_note(reduced)
 
 
 def test_target_trtllm_checkpoint_names_and_shards(quantized, tmp_path):

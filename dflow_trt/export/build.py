@@ -198,8 +198,10 @@ class Build:
         # z-lab's layout holds flow-off drafters over the full vocabulary only
         self.zlab = {k: hf_drafter.zlab_unsupported(m.config) for k, m in drafters.items()}
         for k, why in self.zlab.items():
-            if why and not drafters[k].config.flow:
-                self.log(f"  note: drafter-{k} is not written in z-lab's DFlash layout: {why}")
+            note = hf_drafter.zlab_vocab_note(drafters[k].config) if why is None else None
+            if note:
+                self.zlab[k] = None
+                self.log(f"  note: drafter-{k} in z-lab's DFlash layout: {note}")
         for k, m in drafters.items():
             zlab = self.zlab[k] is None
             outs = [hf / f"drafter-{k}"] + ([hf / f"drafter-{k}-dflash"] if zlab else [])
