@@ -78,8 +78,10 @@ class Chunk:
 
 @dataclass
 class _Loaded:
-    target: Any  # decoding.interfaces.Target
+    target: Any  # decoding.interfaces.Target (None when `llm` runs the whole loop)
     make_drafter: Callable[[int | None], Any] | None  # block size -> Drafter
+    llm: Any = None  # tensorrt_llm.LLM: drafts and verifies itself (backends/tensorrt_llm.py)
+    block_size: int = 1  # the block an `llm` was loaded with
 
 
 @dataclass
@@ -122,6 +124,7 @@ class DecodingEngine:
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
         self._ids = itertools.count(1)
         self._remote, self._load_lock = remote, threading.Lock()
+        self.vocab_size: int | None = None  # set by back ends without an `ar` Target
         if cfg.orchestration == "bls":
             if remote is None:
                 raise UserError("orchestration=bls needs the Triton layer's BLS caller")
@@ -142,15 +145,7 @@ class DecodingEngine:
     def _load_inprocess(self):
         cfg = self.cfg
         if cfg.backend == "tensorrt_llm":
-            from ..export.trtllm import engine_build_available
-
-            ok, why = engine_build_available()
-            if not ok:
-                raise UserError(f"backend=tensorrt_llm needs a GPU host with TensorRT-LLM ({why}); use "
-                                "backend=torch or onnxruntime here")
-            raise UserError("backend=tensorrt_llm: this release has no TensorRT-LLM target adapter for the "
-                            "flow-carrying loop yet; serve flow-off drafting with `trtllm-serve` and "
-                            f"{cfg.build_dir or 'build/<name>'}/trtllm/llm_api.yaml, or use backend=onnxruntime")
+            return self._load_tensorrt_llm()
         if cfg.backend == "onnxruntime":
             return self._load_onnxruntime()
         from ..drafter.defaults import load_target_and_drafter
@@ -187,6 +182,27 @@ class DecodingEngine:
             OrtDrafter(folder).check_target(target.info)
             modes[mode] = _Loaded(target, lambda S, f=folder: OrtDrafter(f, S))
         return modes, tokenizer
+
+    def _load_tensorrt_llm(self):
+        from ..backends.tensorrt_llm import llm_api_options, load_llm, served_modes
+        from ..export.manifest import read_manifest
+
+        if not self.cfg.build_dir:
+            raise UserError("backend=tensorrt_llm needs parameter build_dir (a folder written by "
+                            "`python scripts/build_engines.py`)")
+        bdir = Path(self.cfg.build_dir)
+        man = read_manifest(bdir)
+        if man["target"]["name"] != self.cfg.target:
+            raise UserError(f"build_dir {bdir} was built for target {man['target']['name']!r}, the model is "
+                            f"configured for {self.cfg.target!r}; fix parameter target or rebuild")
+        opts = llm_api_options(bdir)
+        llm = load_llm(opts)
+        block = opts.get("speculative_config", {}).get("max_draft_len", 0) + 1
+        self.vocab_size = man["target"]["vocab_size"]
+        self.log("backend=tensorrt_llm: TensorRT-LLM drafts and verifies itself; mode dflow (flow carried "
+                 "across rounds) is served by the BLS layout, not here")
+        return {m: _Loaded(None, None, llm=llm, block_size=block) for m in served_modes(opts)}, \
+            load_tokenizer(self.cfg.target)
 
     def _ensure_loaded(self) -> None:
         if self.modes is None:
@@ -226,7 +242,7 @@ class DecodingEngine:
 
     def _prompt_ids(self, req: DecodeRequest) -> list[int]:
         if req.input_ids is not None:
-            V = self.modes["ar"].target.info.vocab_size
+            V = self.vocab_size or self.modes["ar"].target.info.vocab_size
             bad = [t for t in req.input_ids if not 0 <= t < V]
             if bad:
                 raise RequestError(f"input_ids {bad[:5]} are outside the vocabulary 0..{V - 1}")
@@ -255,6 +271,9 @@ class DecodingEngine:
         prompt_ids = self._prompt_ids(req)
         sampling = SamplingParams(req.temperature, req.top_p, req.top_k, req.seed)
         drafter = loaded.make_drafter(req.block_size) if loaded.make_drafter else None
+        if loaded.llm is not None and req.block_size and req.mode != "ar" and req.block_size != loaded.block_size:
+            raise RequestError(f"this model drafts blocks of {loaded.block_size} (TensorRT-LLM fixes the block "
+                               f"when it loads); omit block_size or send {loaded.block_size}")
         rid = next(self._ids)
         tokens: list[int] = []  # committed so far (after any stop-word cut)
         sent = {"n": 0, "text": "", "stopped": None, "cancelled": False}
@@ -286,8 +305,13 @@ class DecodingEngine:
             with self._lock:
                 self._active[rid] = _Active(req.mode)
             try:
-                res = generate(loaded.target, drafter, [prompt_ids], req.mode, req.max_tokens, sampling,
-                               on_round=on_round)
+                if loaded.llm is not None:
+                    from ..backends.tensorrt_llm import generate_llmapi
+
+                    res = generate_llmapi(loaded.llm, prompt_ids, req.max_tokens, sampling, on_round=on_round)
+                else:
+                    res = generate(loaded.target, drafter, [prompt_ids], req.mode, req.max_tokens, sampling,
+                                   on_round=on_round)
             finally:
                 with self._lock:
                     self._active.pop(rid, None)
@@ -297,7 +321,7 @@ class DecodingEngine:
                  "rounds": res.rounds, "finish_reason": reason, "prefill_s": res.prefill_s,
                  "draft_s": res.draft_s, "verify_s": res.verify_s, "total_s": res.total_s,
                  "tokens_per_s": len(tokens) / res.total_s if res.total_s > 0 else 0.0,
-                 "block_size": drafter.block_size if drafter else 1, "prompt_tokens": len(prompt_ids),
+                 "block_size": drafter.block_size if drafter else loaded.block_size, "prompt_tokens": len(prompt_ids),
                  "active_requests": self.active_requests, "backend": self.cfg.backend,
                  "orchestration": self.cfg.orchestration}
         if reason == "cancelled":
