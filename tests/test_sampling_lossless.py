@@ -1,10 +1,12 @@
 """Speculative sampling has the target's distribution: a two-sample chi-square test on a tiny
-(16-token) target, over the first three generated tokens, for dflash and dflow."""
+(16-token) target, over the first three generated tokens, for dflash and dflow — with the real
+(untrained) drafter, which is mostly rejected, and with a close drafter, mostly accepted."""
 
 import pytest
 import torch
 from scipy.stats import chi2_contingency
 
+from dflow_trt.decoding.interfaces import Proposal
 from dflow_trt.decoding.loop import generate
 from dflow_trt.decoding.sampling import SamplingParams
 from dflow_trt.drafter.defaults import untrained_config
@@ -24,9 +26,54 @@ def small_target():
     return HFTarget(model, name="tiny-qwen3-v16", tap_layers=(1, 3), tokenizer=None, eos_token_ids=())
 
 
+PROMPT = [1, 2, 3]
+
+
+class CloseDrafter:
+    """Test double whose drafts follow the target at another temperature (classic draft/target
+    speculative sampling), so most are accepted and the accept, reject and bonus paths all run.
+    It rebuilds each row's committed tokens from its own last drafts and the new anchor."""
+
+    def __init__(self, model, block_size, uses_flow, temperature=1.3):
+        self.model, self.block_size, self.uses_flow, self.t = model, block_size, uses_flow, temperature
+
+    def new_state(self, batch_size, generator=None):
+        return {"seqs": [list(PROMPT) for _ in range(batch_size)], "drafts": None, "pos": None, "gen": generator}
+
+    @torch.no_grad()
+    def _next_probs(self, seqs):
+        L = torch.tensor([len(x) for x in seqs])
+        ids = torch.zeros(len(seqs), int(L.max()), dtype=torch.long)
+        for b, x in enumerate(seqs):
+            ids[b, :len(x)] = torch.tensor(x)
+        mask = torch.arange(ids.shape[1])[None] < L[:, None]
+        logits = self.model(input_ids=ids, attention_mask=mask.long()).logits  # right padding: causal rows unaffected
+        return torch.softmax(logits[torch.arange(len(seqs)), L - 1].float() / self.t, -1)  # [B, V]
+
+    def draft(self, state, context_taps, context_lens, anchor_ids, anchor_pos, flow, sampler):
+        seqs = state["seqs"]
+        for b in range(len(seqs)):
+            if state["drafts"] is not None:
+                seqs[b] += state["drafts"][b][:int(anchor_pos[b] - state["pos"][b]) - 1]
+            seqs[b].append(int(anchor_ids[b]))
+            assert len(seqs[b]) - 1 == int(anchor_pos[b])
+        work, ids, probs = [list(x) for x in seqs], [], []
+        for _ in range(self.block_size - 1):
+            q = self._next_probs(work)
+            t = torch.multinomial(q, 1, generator=state["gen"])[:, 0]
+            ids.append(t)
+            probs.append(q)
+            for b, x in enumerate(work):
+                x.append(int(t[b]))
+        draft_ids = torch.stack(ids, 1)  # [B, S-1]
+        state["drafts"], state["pos"] = draft_ids.tolist(), anchor_pos.clone()
+        return Proposal(draft_ids=draft_ids, draft_probs=torch.stack(probs, 1))  # [B, S-1, V]
+
+
 def _samples(target, drafter, mode, params, block):
-    res = generate(target, TorchDrafter(drafter, block) if drafter else None, [[1, 2, 3]] * N, mode, K, params,
-                   stop_token_ids=())
+    if drafter is not None and not isinstance(drafter, CloseDrafter):
+        drafter = TorchDrafter(drafter, block)
+    res = generate(target, drafter, [PROMPT] * N, mode, K, params, stop_token_ids=())
     return [tuple(r[:K]) for r in res.token_ids], res
 
 
@@ -54,6 +101,31 @@ def test_speculative_sampling_matches_ar(small_target, mode, block):
     assert res.tau > 1.0  # some drafts were accepted, so rejection sampling was exercised
     _, p, _, _ = chi2_contingency(list(zip(*_table(ar, spec))))
     assert p > 1e-3, f"{mode}: distribution differs from ar (p={p:.2e})"
+
+
+@pytest.mark.parametrize("mode,block", [("dflash", 4), ("dflow", 3)])
+def test_speculative_sampling_with_a_close_drafter_matches_ar(small_target, mode, block):
+    drafter = CloseDrafter(small_target.model, block, uses_flow=(mode == "dflow"))
+    ar, _ = _samples(small_target, None, "ar", SamplingParams(1.0, 0.95, 12, seed=13), 1)
+    spec, res = _samples(small_target, drafter, mode, SamplingParams(1.0, 0.95, 12, seed=17), block)
+    assert res.tau > 1.5, res.tau  # most drafts accepted: the accept path carries the distribution
+    _, p, _, _ = chi2_contingency(list(zip(*_table(ar, spec))))
+    assert p > 1e-3, f"{mode}: distribution differs from ar (p={p:.2e})"
+
+
+def test_the_test_catches_a_wrong_accept_rule(small_target):
+    """A drafter that misreports its distribution breaks the acceptance ratio p/q; the statistic sees it."""
+
+    class Misreporting(CloseDrafter):
+        def draft(self, *args):
+            prop = super().draft(*args)
+            return Proposal(prop.draft_ids, torch.softmax(torch.log(prop.draft_probs) * 2.6, -1))
+
+    ar, _ = _samples(small_target, None, "ar", SamplingParams(1.0, 0.95, 12, seed=13), 1)
+    spec, _ = _samples(small_target, Misreporting(small_target.model, 4, False), "dflash",
+                       SamplingParams(1.0, 0.95, 12, seed=17), 4)
+    _, p, _, _ = chi2_contingency(list(zip(*_table(ar, spec))))
+    assert p < 1e-3
 
 
 def test_the_test_can_fail(small_target):
