@@ -36,7 +36,7 @@ def target_fingerprint(model: PreTrainedModel) -> str:
         "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "intermediate_size")}
     h = hashlib.sha256(json.dumps(arch, sort_keys=True).encode())
-    emb = model.get_input_embeddings().weight.detach().to(torch.float32).contiguous()
+    emb = model.get_input_embeddings().weight.detach().to(device="cpu", dtype=torch.float32).contiguous()
     h.update(emb.numpy().tobytes())
     return h.hexdigest()[:16]
 

@@ -47,7 +47,7 @@ def sample_anchors(batch: Batch, num_anchors: int, block_size: int, gen: torch.G
     """Anchors [N, nb] uniformly inside each response, leaving room for a full block where possible."""
     lo = batch.prompt_lens
     hi = torch.maximum(lo, batch.lens - block_size)  # inclusive
-    u = torch.rand(batch.ids.shape[0], num_anchors, generator=gen)
+    u = torch.rand(batch.ids.shape[0], num_anchors, generator=gen, device=gen.device).to(lo.device)
     return lo[:, None] + (u * (hi - lo + 1)[:, None]).long().clamp(max=(hi - lo)[:, None])
 
 

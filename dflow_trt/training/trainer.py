@@ -195,6 +195,8 @@ def train(cfg: TrainConfig) -> Path:
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if device != "cpu":
+        torch.set_default_device(device)  # the objective's index tensors live next to the target
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt_path = out / "checkpoint.pt"
