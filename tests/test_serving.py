@@ -169,6 +169,34 @@ def test_http_client_disconnect_does_not_leak_state(tiny_server):
     assert active == 0
 
 
+def _target_info(url):
+    c = grpcclient.InferenceServerClient(url)
+    i = grpcclient.InferInput("info_only", [1], "BOOL")
+    i.set_data_from_numpy(np.array([True]))
+    return json.loads(bytes(c.infer("target", [i]).as_numpy("info").reshape(-1)[0]))
+
+
+def test_bls_target_sessions_are_released(tiny_server, tiny_reference):
+    """dflow_bls verifies through KV sessions of the `target` model; finished and cancelled requests
+    release theirs."""
+    assert _target_info(tiny_server.grpc_url)["kv_sessions"]
+    got = generate_grpc(tiny_server.grpc_url, "dflow_bls", prompt=PROMPTS[6], mode="dflow", max_tokens=16, block_size=4)
+    assert got.token_ids == tiny_reference(PROMPTS[6], "dflow", 16, 4)
+    c = grpcclient.InferenceServerClient(tiny_server.grpc_url)
+    q = queue.Queue()
+    c.start_stream(callback=lambda result, error: q.put((result, error)))
+    c.async_stream_infer("dflow_bls", _inputs(grpcclient, request_arrays(prompt=PROMPTS[7], max_tokens=500,
+                                                                         mode="dflash", block_size=2)))
+    assert q.get(timeout=60)[1] is None
+    c.stop_stream(cancel_requests=True)
+    c.close()
+    deadline, n = time.time() + 60, None
+    while time.time() < deadline and n != 0:
+        n = _target_info(tiny_server.grpc_url)["active_sessions"]
+        time.sleep(0.5)
+    assert n == 0
+
+
 @pytest.mark.parametrize("change,needle", [
     ({"prompt": ""}, "empty prompt"),
     ({"mode": "beam"}, "unknown mode"),

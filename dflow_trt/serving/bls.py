@@ -1,12 +1,16 @@
 """BLS orchestration: the decoding loop's Target and Drafter interfaces over the `target` and
 `drafter` Triton models, and the stateless services those two models run.
 
-Layout (see README, "Serving"): the `target` and `drafter` models are stateless, so any back end
-can stand behind them (TensorRT-LLM on GPU hosts) and several decoding models can share them.
-Per-request state therefore stays in the decoding model: `RemoteTarget` keeps each row's committed
-tokens and sends the whole sequence on every verify (cost grows with the context; a KV-caching
-back end keyed by request id removes that), `RemoteDrafter` keeps the committed context features.
-In-process orchestration (the default) keeps both KV caches and is the fast path on one host.
+Layout (see README, "Serving"): the `drafter` model is stateless and the `target` model keeps
+only KV caches, in sessions keyed by an id the decoding model picks (`op` = prefill / verify /
+commit / release), so a verify costs the block, not the context. Everything else of a request
+(committed tokens, context features, flow) stays in the decoding model: `RemoteTarget` keeps each
+row's committed tokens, `RemoteDrafter` the committed context features. A target without
+sessions (`op` absent) recomputes the whole sequence per call, which any back end can serve.
+A session is released when the request's cache object is dropped (end, stop or cancellation),
+and sessions idle longer than `idle_s` are evicted, so a crashed caller cannot leak them.
+In-process orchestration (the default) keeps both KV caches next to the loop: the fast path on
+one host.
 
 `remote(model_name, inputs: {name: ndarray}, output_names) -> {name: ndarray}` is the only link
 to Triton; the Triton layer implements it with `pb_utils.InferenceRequest(...).exec()`.
@@ -15,6 +19,10 @@ to Triton; the Triton layer implements it with `pb_utils.InferenceRequest(...).e
 from __future__ import annotations
 
 import json
+import threading
+import time
+import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -43,37 +51,66 @@ def _pad_left(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 class RemoteCache:
     committed: list[list[int]]  # per row: every token the target has committed
     pending: list[list[int]] | None = None  # last verified block, awaiting commit()
+    session: str | None = None  # the target model's KV session (None: full recompute)
 
 
 class RemoteTarget:
-    """Target interface over the stateless `target` model (full-sequence forward per call)."""
+    """Target interface over the `target` model: KV sessions when it offers them, else full recompute."""
 
     def __init__(self, remote: Remote, model: str = "target"):
         self.remote, self.model = remote, model
         out = remote(model, {"info_only": np.array([True])}, ["info"])
         d = json.loads(bytes(out["info"].reshape(-1)[0]).decode())
+        self.sessions = bool(d.pop("kv_sessions", False))
+        d.pop("active_sessions", None)
         self.info = TargetInfo(**{**d, "tap_layers": tuple(d["tap_layers"]), "eos_token_ids": tuple(d["eos_token_ids"])})
 
-    def _run(self, rows: list[list[int]], last: int) -> TargetOutput:
-        ids, lens = _pad_left(rows)
-        out = self.remote(self.model, {"input_ids": ids, "prompt_lens": lens, "num_last": np.array([last], np.int32)},
-                          ["logits", "hidden_states"])
+    def _call(self, inputs: dict, names=("logits", "hidden_states")) -> TargetOutput | None:
+        out = self.remote(self.model, inputs, list(names))
+        if "logits" not in names:
+            return None
         return TargetOutput(logits=torch.from_numpy(np.array(out["logits"])),
                             taps=torch.from_numpy(np.array(out["hidden_states"])))
+
+    @staticmethod
+    def _op(op: str, sid: str) -> dict:
+        return {"op": np.array([op.encode()], dtype=object), "session_id": np.array([sid.encode()], dtype=object)}
+
+    def _release(self, sid: str) -> None:
+        try:
+            self._call(self._op("release", sid), names=("info",))
+        except Exception:  # noqa: BLE001 - the server evicts idle sessions anyway
+            pass
 
     def prefill(self, input_ids: torch.Tensor, prompt_lens: torch.Tensor) -> tuple[RemoteCache, TargetOutput]:
         T = input_ids.shape[1]
         rows = [input_ids[b, T - int(n):].tolist() for b, n in enumerate(prompt_lens)]
-        return RemoteCache(committed=rows), self._run(rows, T)
+        ids, lens = _pad_left(rows)
+        x = {"input_ids": ids, "prompt_lens": lens, "num_last": np.array([T], np.int32)}
+        if not self.sessions:
+            return RemoteCache(committed=rows), self._call(x)
+        sid = uuid.uuid4().hex
+        out = self._call({**x, **self._op("prefill", sid)})
+        cache = RemoteCache(committed=rows, session=sid)
+        weakref.finalize(cache, self._release, sid)  # the request ended, stopped or was cancelled
+        return cache, out
 
     def verify(self, cache: RemoteCache, block_ids: torch.Tensor) -> TargetOutput:
         cache.pending = block_ids.tolist()
-        return self._run([c + p for c, p in zip(cache.committed, cache.pending)], block_ids.shape[1])
+        S = block_ids.shape[1]
+        if cache.session is not None:
+            return self._call({"input_ids": block_ids.numpy().astype(np.int64), "num_last": np.array([S], np.int32),
+                               **self._op("verify", cache.session)})
+        ids, lens = _pad_left([c + p for c, p in zip(cache.committed, cache.pending)])
+        return self._call({"input_ids": ids, "prompt_lens": lens, "num_last": np.array([S], np.int32)})
 
     def commit(self, cache: RemoteCache, num_kept: torch.Tensor) -> None:
         for b, k in enumerate(num_kept.tolist()):
             cache.committed[b] += cache.pending[b][:k]
         cache.pending = None
+        if cache.session is not None:
+            self._call({"num_kept": num_kept.numpy().astype(np.int64), **self._op("commit", cache.session)},
+                       names=("info",))
 
 
 @dataclass
@@ -134,28 +171,81 @@ class RemoteDrafter:
 
 
 class TargetService:
-    """What the `target` model computes: logits and tap states of the last `num_last` positions."""
+    """What the `target` model computes: logits and tap states, statelessly or in KV sessions."""
 
-    def __init__(self, target):
-        self.target = target
+    def __init__(self, target, max_sessions: int = 64, idle_s: float = 600.0):
+        self.target, self.max_sessions, self.idle_s = target, max_sessions, idle_s
+        self._sessions: dict[str, list] = {}  # id -> [target cache, last use]
+        self._lock = threading.Lock()
+
+    @property
+    def active_sessions(self) -> int:
+        with self._lock:
+            return len(self._sessions)
 
     def info_json(self) -> bytes:
         i = self.target.info
         return json.dumps({"name": i.name, "fingerprint": i.fingerprint, "vocab_size": i.vocab_size,
                            "hidden_size": i.hidden_size, "num_layers": i.num_layers,
-                           "tap_layers": list(i.tap_layers), "eos_token_ids": list(i.eos_token_ids)}).encode()
+                           "tap_layers": list(i.tap_layers), "eos_token_ids": list(i.eos_token_ids),
+                           "kv_sessions": True, "active_sessions": self.active_sessions}).encode()
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        if int(ids.min()) < 0 or int(ids.max()) >= self.target.info.vocab_size:
+            raise UserError(f"input_ids outside the vocabulary 0..{self.target.info.vocab_size - 1}")
 
     @torch.inference_mode()
     def forward(self, input_ids: np.ndarray, prompt_lens: np.ndarray, num_last: int) -> tuple[np.ndarray, np.ndarray]:
+        """Stateless: the whole (left-padded) sequence, outputs of the last `num_last` positions."""
+        return self._prefill(input_ids, prompt_lens, num_last)[1]
+
+    def _prefill(self, input_ids, prompt_lens, num_last):
         ids = torch.from_numpy(np.asarray(input_ids, dtype=np.int64))  # [B, T] left-padded
         lens = torch.from_numpy(np.asarray(prompt_lens, dtype=np.int64))
         if ids.ndim != 2 or lens.shape != (ids.shape[0],) or not 1 <= num_last <= ids.shape[1]:
             raise UserError(f"target inputs: input_ids [B, T], prompt_lens [B], 1 <= num_last <= T; got "
                             f"{list(ids.shape)}, {list(lens.shape)}, {num_last}")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.target.info.vocab_size:
-            raise UserError(f"input_ids outside the vocabulary 0..{self.target.info.vocab_size - 1}")
-        _, out = self.target.prefill(ids, lens)
-        return out.logits[:, -num_last:].float().numpy(), out.taps[:, -num_last:].float().numpy()
+        self._check_ids(ids)
+        cache, out = self.target.prefill(ids, lens)
+        return cache, (out.logits[:, -num_last:].float().numpy(), out.taps[:, -num_last:].float().numpy())
+
+    @torch.inference_mode()
+    def session(self, op: str, sid: str, x: dict) -> dict[str, np.ndarray]:
+        """One step of a KV session: prefill (opens it), verify, commit, release."""
+        now = time.monotonic()
+        with self._lock:
+            for k in [k for k, (_, t) in self._sessions.items() if now - t > self.idle_s]:
+                del self._sessions[k]  # abandoned by a caller that never released it
+            entry = self._sessions.get(sid)
+            if entry is not None:
+                entry[1] = now
+        if op == "release":
+            with self._lock:
+                self._sessions.pop(sid, None)
+            return {"info": np.array([b"released"], dtype=object)}
+        if op == "prefill":
+            if entry is not None:
+                raise UserError(f"session {sid} already exists")
+            if self.active_sessions >= self.max_sessions:
+                raise UserError(f"{self.max_sessions} target sessions are open; release some or raise max_sessions")
+            cache, (logits, taps) = self._prefill(x["input_ids"], x["prompt_lens"], int(x["num_last"].reshape(-1)[0]))
+            with self._lock:
+                self._sessions[sid] = [cache, now]
+            return {"logits": logits, "hidden_states": taps}
+        if entry is None:
+            raise UserError(f"no target session {sid!r} (never opened, released, or evicted after {self.idle_s:.0f} s idle)")
+        cache = entry[0]
+        if op == "verify":
+            block = torch.from_numpy(np.asarray(x["input_ids"], dtype=np.int64))  # [B, S]
+            if block.ndim != 2:
+                raise UserError(f"verify needs input_ids [B, S], got {list(block.shape)}")
+            self._check_ids(block)
+            out = self.target.verify(cache, block)
+            return {"logits": out.logits.float().numpy(), "hidden_states": out.taps.float().numpy()}
+        if op == "commit":
+            self.target.commit(cache, torch.from_numpy(np.asarray(x["num_kept"], dtype=np.int64)))
+            return {"info": np.array([b"committed"], dtype=object)}
+        raise UserError(f"unknown target op {op!r}; use prefill, verify, commit or release")
 
 
 class DrafterService:

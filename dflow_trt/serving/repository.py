@@ -37,7 +37,10 @@ _TARGET_IO = """input [
   { name: "input_ids", data_type: TYPE_INT64, dims: [ -1, -1 ], optional: true },
   { name: "prompt_lens", data_type: TYPE_INT64, dims: [ -1 ], optional: true },
   { name: "num_last", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
-  { name: "info_only", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
+  { name: "info_only", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "op", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
+  { name: "session_id", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
+  { name: "num_kept", data_type: TYPE_INT64, dims: [ -1 ], optional: true }
 ]
 output [
   { name: "logits", data_type: TYPE_FP32, dims: [ -1, -1, -1 ] },
@@ -80,7 +83,7 @@ _IO = {"dflow": _DFLOW_IO, "dflow_bls": _DFLOW_IO, "target": _TARGET_IO, "drafte
 _ABOUT = {
     "dflow": "decoding model: draft -> verify -> carry flow, in process (fast path on one host)",
     "dflow_bls": "decoding model orchestrating the `target` and `drafter` models through BLS calls",
-    "target": "stateless target: logits + tap hidden states of the last num_last positions",
+    "target": "target: logits + tap hidden states; stateless, or KV sessions keyed by session_id (op)",
     "drafter": "stateless drafter: one block of drafts from the context features (+ flow)",
 }
 _ENTRY = {"dflow": "DFlowModel", "dflow_bls": "DFlowModel", "target": "TargetModel", "drafter": "DrafterModel"}

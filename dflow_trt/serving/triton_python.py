@@ -150,9 +150,9 @@ class _StatelessModel:
 
 
 class TargetModel(_StatelessModel):
-    """Stateless target: logits and tap hidden states of the last `num_last` positions."""
+    """Target: logits and tap hidden states, statelessly or in KV sessions (`op`, `session_id`)."""
 
-    NAMES = ("input_ids", "prompt_lens", "num_last", "info_only")
+    NAMES = ("input_ids", "prompt_lens", "num_last", "info_only", "op", "session_id", "num_kept")
 
     def load(self, params, repo):
         from .services import load_target_service
@@ -160,6 +160,9 @@ class TargetModel(_StatelessModel):
         return load_target_service(params, repo, log=log.log_info)
 
     def compute(self, x):
+        if "op" in x:
+            op, sid = (bytes(x[k].reshape(-1)[0]).decode() for k in ("op", "session_id"))
+            return self.service.session(op, sid, x)
         missing = [n for n in ("input_ids", "prompt_lens", "num_last") if n not in x]
         if missing:
             raise UserError(f"missing inputs {missing}")
