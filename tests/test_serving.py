@@ -150,6 +150,27 @@ def test_cancelled_request_frees_its_state(tiny_server):
     assert after.stats["active_requests"] == 0 and len(after.token_ids) == 4
 
 
+def test_grpc_client_that_dies_frees_its_state(tiny_server):
+    """A client process killed mid-stream (no cancel call): Triton sees the stream go and cancels."""
+    before = tiny_server.log_path.read_text().count("cancelled after")
+    code = ("import sys, queue, tritonclient.grpc as g\n"
+            "from dflow_trt.serving.client import _inputs, request_arrays\n"
+            f"c = g.InferenceServerClient('{tiny_server.grpc_url}'); q = queue.Queue()\n"
+            "c.start_stream(callback=lambda result, error: q.put(error))\n"
+            "c.async_stream_infer('dflow', _inputs(g, request_arrays(prompt='Once upon a time', max_tokens=1000, "
+            "mode='dflow', block_size=2)))\n"
+            "assert q.get(timeout=60) is None\nprint('streaming', flush=True)\nimport time; time.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "streaming"  # its first round arrived
+    p.kill()
+    p.wait()
+    deadline = time.time() + 60
+    while time.time() < deadline and tiny_server.log_path.read_text().count("cancelled after") == before:
+        time.sleep(0.5)
+    assert tiny_server.log_path.read_text().count("cancelled after") > before
+    assert generate_grpc(tiny_server.grpc_url, prompt="hi", mode="ar", max_tokens=1).stats["active_requests"] == 0
+
+
 def test_http_client_disconnect_does_not_leak_state(tiny_server):
     """Triton 2.51's HTTP frontend does not cancel a request whose client went away (gRPC does:
     see above), so the request runs to its max_tokens, and then its state must be gone."""
