@@ -42,7 +42,7 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     ang = pos.to(torch.float32)[:, None, :, None] * inv  # [B, 1, N, D/2]
     cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)  # [B, 1, N, D]
     x1, x2 = x[..., : D // 2], x[..., D // 2:]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
+    return (x * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)  # angles in fp32, result in x's dtype
 
 
 class Attention(nn.Module):
@@ -126,7 +126,7 @@ class DFlowDrafter(nn.Module):
 
     def context_kv(self, ctx_taps: torch.Tensor, ctx_pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Context features [B, N, F] at positions [B, N] -> per layer (k, v), each [B, Hkv, N, D]."""
-        x = self.ctx_norm(self.ctx_proj(ctx_taps))  # [B, N, H]
+        x = self.ctx_norm(self.ctx_proj(ctx_taps.to(self.ctx_proj.weight.dtype)))  # [B, N, H]; taps arrive fp32
         return [layer.self_attn.kv(x, ctx_pos) for layer in self.layers]
 
     def block_inputs(self, block_ids: torch.Tensor, flow: FlowState | None = None) -> torch.Tensor:
@@ -141,7 +141,7 @@ class DFlowDrafter(nn.Module):
         if flow is None:
             return x + self.no_flow
         m = flow.valid[..., None].to(x.dtype)  # [B, Q, 1]
-        state = self.flow_norm(self.flow_proj(flow.taps)) + self.flow_tok_proj(F.embedding(flow.token_ids, self.embed_weight))
+        state = self.flow_norm(self.flow_proj(flow.taps.to(self.flow_proj.weight.dtype))) + self.flow_tok_proj(F.embedding(flow.token_ids, self.embed_weight))
         hint = F.embedding(flow.hint_ids, self.embed_weight) * m  # [B, Q, H]
         hint = torch.cat([torch.zeros_like(hint[:, :1]), hint[:, :-1]], 1)  # slot j's guess sits at j+1
         return x + m * (state + self.flow_present) + (1 - m) * self.no_flow + self.hint_gate * hint

@@ -40,7 +40,8 @@ class TorchDrafter:
 
     def new_state(self, batch_size: int, generator: torch.Generator | None = None) -> DrafterState:
         c = self.config
-        empty = lambda: torch.zeros(batch_size, c.num_kv_heads, 0, c.head_dim, device=self.device)  # noqa: E731
+        empty = lambda: torch.zeros(batch_size, c.num_kv_heads, 0, c.head_dim, device=self.device,  # noqa: E731
+                                    dtype=self.model.ctx_proj.weight.dtype)  # the cache holds what context_kv makes
         return DrafterState(k=[empty() for _ in range(c.num_layers)], v=[empty() for _ in range(c.num_layers)],
                             lens=torch.zeros(batch_size, dtype=torch.long, device=self.device), generator=generator)
 
