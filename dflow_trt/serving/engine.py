@@ -159,18 +159,24 @@ class DecodingEngine:
             modes[mode] = _Loaded(target, lambda S, m=model: TorchDrafter(m, S))
         return modes, base.tokenizer
 
-    def _load_onnxruntime(self):
-        from ..backends.onnxruntime import OrtDrafter, OrtTarget
+    def _build(self) -> tuple[Path, dict]:
+        """The build folder of parameter build_dir and its manifest, checked against parameter target."""
         from ..export.manifest import read_manifest
 
         if not self.cfg.build_dir:
-            raise UserError("backend=onnxruntime needs parameter build_dir (a folder written by "
+            raise UserError(f"backend={self.cfg.backend} needs parameter build_dir (a folder written by "
                             "`python scripts/build_engines.py`)")
         bdir = Path(self.cfg.build_dir)
         man = read_manifest(bdir)
         if man["target"]["name"] != self.cfg.target:
             raise UserError(f"build_dir {bdir} was built for target {man['target']['name']!r}, the model is "
                             f"configured for {self.cfg.target!r}; fix parameter target or rebuild")
+        return bdir, man
+
+    def _load_onnxruntime(self):
+        from ..backends.onnxruntime import OrtDrafter, OrtTarget
+
+        bdir, _ = self._build()
         tokenizer = load_tokenizer(self.cfg.target)
         target = OrtTarget(bdir / "onnx" / "target", tokenizer=tokenizer)
         modes: dict[str, _Loaded] = {"ar": _Loaded(target, None)}
@@ -185,16 +191,8 @@ class DecodingEngine:
 
     def _load_tensorrt_llm(self):
         from ..backends.tensorrt_llm import llm_api_options, load_llm, served_modes
-        from ..export.manifest import read_manifest
 
-        if not self.cfg.build_dir:
-            raise UserError("backend=tensorrt_llm needs parameter build_dir (a folder written by "
-                            "`python scripts/build_engines.py`)")
-        bdir = Path(self.cfg.build_dir)
-        man = read_manifest(bdir)
-        if man["target"]["name"] != self.cfg.target:
-            raise UserError(f"build_dir {bdir} was built for target {man['target']['name']!r}, the model is "
-                            f"configured for {self.cfg.target!r}; fix parameter target or rebuild")
+        bdir, man = self._build()
         opts = llm_api_options(bdir)
         llm = load_llm(opts)
         block = opts.get("speculative_config", {}).get("max_draft_len", 0) + 1
