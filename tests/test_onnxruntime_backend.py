@@ -1,5 +1,6 @@
 """The unchanged decoding loop on the ONNX Runtime back ends equals the torch back end, token for token."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -75,3 +76,28 @@ def test_ort_lossless_smollm2(smollm2):
     ort_target = OrtTarget(exported_target(smollm2))
     drafters = {flow: exported_drafter(smollm2, flow) for flow in (False, True)}
     _check_lossless(smollm2, ort_target, drafters, _prompts(smollm2, 3), 24, blocks=(4, 16))
+
+
+def test_serving_engine_on_onnxruntime_build(tiny_qwen3, tmp_path):
+    """The decoding model's engine with backend=onnxruntime and a build_dir (what config.pbtxt sets)."""
+    from dflow_trt.export.build import Build, BuildSpec
+    from dflow_trt.prompting import encode_prompt
+    from dflow_trt.serving.engine import DecodingEngine, ServeConfig
+
+    Build(BuildSpec(target="tiny-qwen3", out=str(tmp_path / "b"), onnx_only=True), log=lambda m: None).run()
+    engine = DecodingEngine(ServeConfig(target="tiny-qwen3", backend="onnxruntime", build_dir=str(tmp_path / "b")),
+                            log=lambda m: None)
+    assert set(engine.modes) == {"ar", "dflash", "dflow"}
+    prompt = "def add(a, b):"
+    ar = generate(tiny_qwen3, None, [encode_prompt(tiny_qwen3.tokenizer, prompt, False)], "ar", 16).token_ids[0]
+    for mode in ("ar", "dflash", "dflow"):
+        chunks = []
+        req = engine.parse({"text_input": np.array([prompt.encode()], dtype=object),
+                            "max_tokens": np.array([16], np.int32), "mode": np.array([mode.encode()], dtype=object),
+                            "block_size": np.array([4], np.int32)})
+        stats = engine.run(req, chunks.append)
+        assert [t for c in chunks for t in c.token_ids] == ar, mode
+        assert chunks[-1].final and stats["backend"] == "onnxruntime"
+    with pytest.raises(UserError, match="built for target 'tiny-qwen3'"):
+        DecodingEngine(ServeConfig(target="tiny-llama", backend="onnxruntime", build_dir=str(tmp_path / "b")),
+                       log=lambda m: None)

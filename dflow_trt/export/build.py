@@ -170,6 +170,8 @@ class Build:
         result = {"onnx_target": d_onnx / "target", "onnx_drafters": {k: d_onnx / f"drafter-{k}" for k in drafters},
                   "target": target, "drafters": drafters, "paths": paths}
         if s.onnx_only:
+            if not (self.dir / mf.MANIFEST).is_file():  # a full build's manifest (a superset) is kept
+                self._write_manifest(target, drafters, paths, src, configs)
             return result
         self._fp8_stages(target, drafters, src, base_in)
         self._write_manifest(target, drafters, paths, src, configs)
