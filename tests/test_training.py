@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import chat_ids
+from conftest import chat_ids, run_cli as _cli
 from dflow_trt.decoding.loop import generate
 from dflow_trt.drafter.io import load_drafter
 from dflow_trt.drafter.runtime import TorchDrafter
@@ -23,11 +23,6 @@ from dflow_trt.training.data import generate_dataset
 # Small enough for seconds per run; max_len keeps every sequence (prompts reach ~320 tokens).
 TRAIN = ["--target", "tiny-qwen3", "--seqs-per-step", "2", "--anchors-per-seq", "4", "--block-size", "4",
          "--draft-vocab-size", "64", "--max-len", "400", "--eval-seqs", "4", "--threads", "1"]
-
-
-def _cli(*args, timeout=600, **kw):
-    return subprocess.run([sys.executable, "-m", "dflow_trt.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, **kw)
 
 
 def _error(r, *needles):
@@ -188,12 +183,13 @@ def test_corrupt_or_foreign_checkpoint_is_refused(trained, data_dir, tmp_path):
     _error(r, "another config")
 
 
-def test_mismatched_tokenizer_is_refused(tiny_qwen3, tmp_path):
-    from dflow_trt.targets.tiny import byte_tokenizer
+def test_mismatched_tokenizer_is_refused(tmp_path):
+    from dflow_trt.targets.tiny import build_tiny, byte_tokenizer
 
     ckpt = tmp_path / "ckpt"
-    tiny_qwen3.model.save_pretrained(ckpt)
-    tiny_qwen3.tokenizer.save_pretrained(ckpt)
+    model, tok = build_tiny("qwen3")  # its own copy: save_pretrained rewrites the config it saves
+    model.save_pretrained(ckpt)
+    tok.save_pretrained(ckpt)
     target = load_target(str(ckpt), num_taps=3)
     data = tmp_path / "data"
     generate_dataset(target, data, num_prompts=8, max_new_tokens=8, batch_size=8, shard_size=8, heldout_every=4)
