@@ -17,10 +17,10 @@ from tqdm import tqdm
 
 from .decoding.loop import generate
 from .drafter.defaults import load_target_and_drafter
-from .prompting import encode_prompt
 from .drafter.runtime import TorchDrafter
 from .errors import UserError
 from .evalsets import load_prompts
+from .prompting import encode_prompt
 
 MODES = ("ar", "dflash", "dflow")
 

@@ -78,8 +78,8 @@ def cmd_client(a: argparse.Namespace) -> int:
 
     send = generate_http if a.protocol == "http" else generate_grpc
     res = send(url, a.model, on_tokens=show, prompt=a.prompt, max_tokens=a.max_new_tokens, mode=a.mode,
-                        temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
-                        stop_words=a.stop or None, block_size=a.block_size, chat=a.chat)
+               temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
+               stop_words=a.stop or None, block_size=a.block_size, chat=a.chat)
     if a.json:
         print(json.dumps(res.as_dict()))
     else:

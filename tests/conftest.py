@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,6 +18,12 @@ PROMPTS_TEXT = [
     "A train travels 60 km in 45 minutes. What is its average speed in km/h?",
     "Summarize the plot of Romeo and Juliet in one sentence.",
 ]
+
+
+def run_cli(*args, timeout=600):
+    """The real `dflow-trt` command in a subprocess (captured text output)."""
+    return subprocess.run([sys.executable, "-m", "dflow_trt.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
 
 
 class OracleDrafter:

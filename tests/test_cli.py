@@ -1,18 +1,12 @@
 """The real `dflow-trt` command: JSON output, and bad input ending in one line and exit 2."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from conftest import run_cli as _cli
 from dflow_trt.drafter.defaults import untrained_config
 from dflow_trt.drafter.io import build_drafter, save_drafter
-
-
-def _cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "dflow_trt.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def _one_line_error(r, *needles):

@@ -197,12 +197,11 @@ class Build:
 
         hf = self.dir / "fp8" / "hf"
         self.stage("fp8-hf-target", calib_in, [hf / "target"], lambda: fp8.export_target_hf_fp8(q_target(), hf / "target"))
-        # z-lab's layout holds flow-off drafters over the full vocabulary only
+        # z-lab's layout holds flow-off drafters (value None); a reduced vocabulary only earns a note
         self.zlab = {k: hf_drafter.zlab_unsupported(m.config) for k, m in drafters.items()}
-        for k, why in self.zlab.items():
-            note = hf_drafter.zlab_vocab_note(drafters[k].config) if why is None else None
+        self.zlab_notes = {k: hf_drafter.zlab_vocab_note(m.config) for k, m in drafters.items() if self.zlab[k] is None}
+        for k, note in self.zlab_notes.items():
             if note:
-                self.zlab[k] = None
                 self.log(f"  note: drafter-{k} in z-lab's DFlash layout: {note}")
         for k, m in drafters.items():
             zlab = self.zlab[k] is None
@@ -280,7 +279,8 @@ class Build:
                "dtypes": {"onnx": "float32", "fp8_hf": "float8_e4m3fn weights+activations (per-tensor), rest float32",
                           "trtllm_target": "float8_e4m3fn weights+activations, rest float16",
                           "trtllm_drafter": "float8_e4m3fn weights+activations, rest float32"},
-               "zlab_dflash_layout": {k: ("written" if why is None else f"not written: {why}")
+               "zlab_dflash_layout": {k: (f"not written: {why}" if why else
+                                          "written" + (f" ({n})" if (n := self.zlab_notes.get(k)) else ""))
                                       for k, why in getattr(self, "zlab", {}).items()},
                "tools": self.tools, "artefacts": self.artefacts, "engines": getattr(self, "engines", None)}
         mf.write_manifest(self.dir, man)
