@@ -100,6 +100,16 @@ def cmd_make_data(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache_states(a: argparse.Namespace) -> int:
+    from .drafter.defaults import DEFAULT_NUM_TAPS
+    from .targets import load_target
+    from .training.states import build_states
+
+    target = load_target(a.target, num_taps=a.num_taps or DEFAULT_NUM_TAPS)
+    print(build_states(target, a.data_dir, a.max_len, kv=not a.no_kv))
+    return 0
+
+
 def cmd_train(a: argparse.Namespace) -> int:
     from dataclasses import fields
 
@@ -190,6 +200,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--batch-size", type=int, default=16)
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=cmd_make_data)
+
+    s = sub.add_parser("cache-states", help="run the target once over the training data and store its states")
+    s.add_argument("--target", default="smollm2-135m")
+    s.add_argument("--data-dir", default="runs/data-smollm2")
+    s.add_argument("--max-len", type=int, default=320, help="as the trainer's --max-len")
+    s.add_argument("--num-taps", type=int, default=None, help="as the trainer's --num-taps (default 3)")
+    s.add_argument("--no-kv", action="store_true", help="taps only (enough for --objective dflash)")
+    s.set_defaults(func=cmd_cache_states)
 
     t = sub.add_parser("train", help="train a DFlash or DFlow drafter (resumable; torchrun for DDP)")
     _add_train_flags(t)

@@ -207,3 +207,50 @@ def test_mismatched_tokenizer_is_refused(tmp_path):
     other.save_pretrained(ckpt)
     r = _cli("generate", "--target", str(ckpt), "--mode", "ar", "--prompt", "hi", "--max-new-tokens", "2")
     _error(r, "tokens but the model's vocabulary has 260")
+
+
+def _losses(out: Path) -> list[float]:
+    return [r["loss"] for r in _log(out)]
+
+
+def test_cached_target_states_train_like_the_live_target(data_dir, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)  # its own copy: the other tests keep computing states live
+    args = [*TRAIN, "--data-dir", str(data), "--steps", "3", "--eval-every", "3", "--flow-anchors-per-seq", "2"]
+    live = {}
+    for obj in ("dflash", "dflow"):
+        r = _cli("train", *args, "--objective", obj, "--out-dir", str(tmp_path / f"live-{obj}"))
+        assert r.returncode == 0 and "computed each step (cache none built)" in r.stdout, r.stderr[-2000:]
+        live[obj] = _losses(tmp_path / f"live-{obj}")
+
+    r = _cli("cache-states", "--target", "tiny-qwen3", "--data-dir", str(data), "--max-len", "400")
+    assert r.returncode == 0, r.stderr[-2000:]
+    states = data / "states"
+    assert sorted(p.name for p in states.iterdir()) == ["manifest.json", "shard-0000.safetensors",
+                                                        "shard-0001.safetensors", "shard-0002.safetensors"]
+    for obj in ("dflash", "dflow"):
+        out = tmp_path / f"cached-{obj}"
+        r = _cli("train", *args, "--objective", obj, "--out-dir", str(out))
+        assert r.returncode == 0 and f"cached in {states}" in r.stdout, r.stderr[-2000:]
+        # bf16 storage: the same losses up to rounding (DFlow's verifier pass reads the cached K/V)
+        assert _losses(out) == pytest.approx(live[obj], rel=1e-2), obj
+        r = _cli("train", *args, "--objective", obj, "--out-dir", str(tmp_path / f"off-{obj}"), "--states", "off")
+        assert r.returncode == 0 and _losses(tmp_path / f"off-{obj}") == live[obj]
+
+    # a cache made for another max_len is not used (and says why); taps-only cannot serve DFlow
+    r = _cli("train", *args, "--objective", "dflow", "--max-len", "300", "--out-dir", str(tmp_path / "o1"))
+    assert r.returncode == 0 and "cache built with other max_len" in r.stdout, r.stdout
+    shutil.rmtree(states)
+    r = _cli("cache-states", "--target", "tiny-qwen3", "--data-dir", str(data), "--max-len", "400", "--no-kv")
+    assert r.returncode == 0
+    r = _cli("train", *args, "--objective", "dflow", "--out-dir", str(tmp_path / "o2"))
+    assert r.returncode == 0 and "cache built with other kv" in r.stdout, r.stdout
+    assert not list(states.glob(".*.tmp"))
+
+    # states of another target are refused, by the trainer and by a rebuild
+    m = json.loads((states / "manifest.json").read_text())
+    (states / "manifest.json").write_text(json.dumps({**m, "target_fingerprint": "0" * 16}))
+    r = _cli("train", *args, "--objective", "dflash", "--out-dir", str(tmp_path / "o3"))
+    _error(r, "states of another target", "cache-states --target tiny-qwen3")
+    r = _cli("cache-states", "--target", "tiny-qwen3", "--data-dir", str(data), "--max-len", "400")
+    _error(r, "other settings", "delete it")

@@ -31,6 +31,7 @@ class Sequence:
     id: int
     prompt_ids: list[int]
     response_ids: list[int]
+    shard: str = ""  # the data shard holding it (state caches are laid out the same way)
 
     @property
     def ids(self) -> list[int]:
@@ -108,7 +109,7 @@ def load_dataset(data_dir: Path, target: HFTarget) -> tuple[list[Sequence], list
             continue  # generation still running or interrupted; use what is complete
         for line in p.read_text().splitlines():
             d = json.loads(line)
-            seq = Sequence(d["id"], d["prompt_ids"], d["response_ids"])
+            seq = Sequence(d["id"], d["prompt_ids"], d["response_ids"], s)
             (heldout if seq.id % every == 0 else train).append(seq)
     if not train:
         raise UserError(f"{data_dir} has no complete shards yet; run `dflow-trt make-data` to finish it")

@@ -35,6 +35,7 @@ class Batch:
     ids: torch.Tensor  # [N, T] right-padded token ids
     lens: torch.Tensor  # [N] sequence lengths
     prompt_lens: torch.Tensor  # [N]
+    seq_ids: list[int] | None = None  # dataset ids (keys of the state cache)
 
 
 @dataclass
@@ -51,9 +52,14 @@ def sample_anchors(batch: Batch, num_anchors: int, block_size: int, gen: torch.G
     return lo[:, None] + (u * (hi - lo + 1)[:, None]).long().clamp(max=(hi - lo)[:, None])
 
 
-def target_states(target: HFTarget, batch: Batch, keep_cache: bool):
-    """Tap states [N, T, F] of the data (and the K/V cache of every position if keep_cache)."""
+def target_states(target: HFTarget, batch: Batch, keep_cache: bool, cache=None):
+    """Tap states [N, T, F] of the data (and the K/V cache of every position if keep_cache).
+
+    `cache` (a `StateCache` holding every sequence of the batch) replaces the target forward.
+    """
     N, T = batch.ids.shape
+    if cache is not None:
+        return cache.batch(batch.seq_ids, T)
     mask = torch.arange(T)[None, :] < batch.lens[:, None]
     kv = DynamicCache(config=target.model.config) if keep_cache else None
     with torch.no_grad():

@@ -31,6 +31,7 @@ from ..targets import load_target
 from ..targets.hf_target import HFTarget
 from .data import Sequence, load_dataset
 from .objective import Batch, _labels, block_loss, drafter_blocks, sample_anchors, target_states, verifier_flow
+from .states import StateCache
 
 
 @dataclass
@@ -42,6 +43,7 @@ class TrainConfig:
     steps: int = 2000
     seqs_per_step: int = 4
     anchors_per_seq: int = 16
+    flow_anchors_per_seq: int = 0  # DFlow: blocks per sequence that get the self-conditioned round (0: all)
     block_size: int = 16
     gamma: float = 7.0
     num_layers: int = 1
@@ -57,10 +59,13 @@ class TrainConfig:
     ckpt_every: int = 50
     seed: int = 0
     threads: int = 0  # 0: leave torch's default
+    states: str = "auto"  # auto: read <data_dir>/states when it fits this run (`dflow-trt cache-states`); off
 
     def __post_init__(self):
         if self.objective not in ("dflash", "dflow"):
             raise UserError(f"unknown objective {self.objective!r}; use dflash or dflow")
+        if self.states not in ("auto", "off"):
+            raise UserError(f"unknown states setting {self.states!r}; use auto or off")
         if self.block_size < 2:
             raise UserError(f"block size must be at least 2, got {self.block_size}")
 
@@ -80,23 +85,26 @@ class TrainConfig:
 class Objective(nn.Module):
     """Wraps the drafter so DDP sees one forward per step; the frozen target is not a submodule."""
 
-    def __init__(self, drafter: DFlowDrafter, target: HFTarget, cfg: TrainConfig, to_draft: torch.Tensor):
+    def __init__(self, drafter: DFlowDrafter, target: HFTarget, cfg: TrainConfig, to_draft: torch.Tensor,
+                 cache: StateCache | None = None):
         super().__init__()
-        self.drafter, self.target, self.cfg = drafter, target, cfg
+        self.drafter, self.target, self.cfg, self.cache = drafter, target, cfg, cache
         self.register_buffer("to_draft", to_draft, persistent=False)
 
     def forward(self, batch: Batch, gen: torch.Generator):
         """-> (loss, stats of the first prediction, stats of the flow-conditioned one or None)."""
         c, m = self.cfg, self.drafter
         dflow = c.objective == "dflow"
-        taps, kv = target_states(self.target, batch, keep_cache=dflow)
+        taps, kv = target_states(self.target, batch, keep_cache=dflow, cache=self.cache)
         anchors = sample_anchors(batch, c.anchors_per_seq, c.block_size, gen)  # [N, nb]
         labels = _labels(batch, anchors, c.block_size)
         logits = drafter_blocks(m, taps, batch, anchors, None)
         first = block_loss(m, logits, labels, c.gamma, self.to_draft)
         if not dflow:
             return first.loss, first, None
-        drafts = m.draft_vocab[logits.argmax(-1)]  # [N, nb, S-1] what the drafter would propose
+        k = c.flow_anchors_per_seq or anchors.shape[1]  # anchors are random: the first k are a random subset
+        anchors, labels = anchors[:, :k], labels[:, :k]
+        drafts = m.draft_vocab[logits[:, :k].argmax(-1)]  # [N, k, S-1] what the drafter would propose
         flow, accepted = verifier_flow(self.target, kv, batch, anchors, drafts, labels)
         anchors2 = anchors + accepted + 1  # the next round's block starts after the bonus token
         labels2 = _labels(batch, anchors2, c.block_size)
@@ -114,6 +122,20 @@ def _draft_vocab(train: list[Sequence], size: int | None, vocab: int, always: tu
     return torch.tensor(sorted(ids + rest[: size - len(ids)]))
 
 
+def _state_cache(cfg: TrainConfig, target: HFTarget, seqs: list[Sequence], rank: int) -> StateCache | None:
+    """The data's cached target states when they serve this run, else None (the target runs each step)."""
+    if cfg.states == "off":
+        return None
+    need_kv = cfg.objective == "dflow"
+    why = StateCache.usable(Path(cfg.data_dir), target, cfg.max_len, need_kv)
+    cache = StateCache(Path(cfg.data_dir), target, cfg.max_len, need_kv) if why is None else None
+    if cache is not None and not cache.covers([s.id for s in seqs]):
+        why, cache = "missing some sequences (build not finished)", None
+    if rank == 0:
+        print(f"target states: {'cached in ' + str(cache.dir) if cache else 'computed each step (cache ' + why + ')'}")
+    return cache
+
+
 def _fits(seqs: list[Sequence], max_len: int) -> list[Sequence]:
     """Sequences with at least two response tokens inside `max_len` (an anchor and one label)."""
     return [s for s in seqs if min(len(s.ids), max_len) >= len(s.prompt_ids) + 2]
@@ -128,7 +150,7 @@ def _collate(seqs: list[Sequence], max_len: int) -> Batch:
         ids[i, : len(x)] = torch.tensor(x)
         lens.append(len(x))
         plens.append(min(len(s.prompt_ids), len(x) - 1))
-    return Batch(ids=ids, lens=torch.tensor(lens), prompt_lens=torch.tensor(plens))
+    return Batch(ids=ids, lens=torch.tensor(lens), prompt_lens=torch.tensor(plens), seq_ids=[s.id for s in seqs])
 
 
 def _lr_at(step: int, cfg: TrainConfig) -> float:
@@ -141,7 +163,7 @@ def _lr_at(step: int, cfg: TrainConfig) -> float:
 
 def _run_identity(cfg: dict) -> dict:
     """Settings a resumed run must share (steps may grow; logging cadence may change)."""
-    return {k: v for k, v in cfg.items() if k not in ("steps", "eval_every", "ckpt_every", "threads", "eval_seqs")}
+    return {k: v for k, v in cfg.items() if k not in ("steps", "eval_every", "ckpt_every", "threads", "eval_seqs", "states")}
 
 
 def _gather_states(rng_state, gen_state, distributed: bool, world: int) -> list:
@@ -216,7 +238,7 @@ def train(cfg: TrainConfig) -> Path:
     drafter.draft_vocab.copy_(vocab)
     to_draft = torch.full((probe.info.vocab_size,), -100, dtype=torch.long)
     to_draft[drafter.draft_vocab] = torch.arange(drafter.draft_vocab.numel())
-    obj = Objective(drafter, probe, cfg, to_draft).to(device)
+    obj = Objective(drafter, probe, cfg, to_draft, _state_cache(cfg, probe, train_seqs + heldout, rank)).to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     step, log = 0, []

@@ -1,0 +1,133 @@
+"""Target states computed once per data set, so a training step costs the drafter, not the target.
+
+Format of `<data_dir>/states/`:
+- `manifest.json`: target fingerprint, tap layers, `max_len`, whether K/V are stored, shard list.
+- `shard-XXXX.safetensors`, one per data shard: for each sequence id, `taps.<id>` [T, F] (the tap
+  states, concatenated) and, with K/V, `kv.<id>` [layers, 2, Hkv, T, D] (the target's K/V cache,
+  which DFlow's verifier pass attends to), T = min(len, max_len). Stored in bf16: half the disk and
+  page cache, and the drafter reads its inputs in bf16 anyway.
+Building is resumable per shard (each is written to a temp name, then renamed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+from transformers import DynamicCache
+
+from ..errors import UserError
+from ..targets.hf_target import HFTarget
+from .data import load_dataset
+
+DIRNAME, FORMAT, DTYPE = "states", 1, torch.bfloat16
+
+
+def _settings(target: HFTarget, max_len: int, kv: bool) -> dict:
+    return {"format": FORMAT, "target_fingerprint": target.info.fingerprint,
+            "tap_layers": list(target.info.tap_layers), "max_len": max_len, "kv": kv}
+
+
+@torch.no_grad()
+def build_states(target: HFTarget, data_dir: Path, max_len: int, kv: bool = True) -> Path:
+    """Run the target once over every sequence of `data_dir` and store its states (resumable)."""
+    data_dir = Path(data_dir)
+    train, heldout = load_dataset(data_dir, target)
+    shards = json.loads((data_dir / "manifest.json").read_text())["shards"]
+    out = data_dir / DIRNAME
+    out.mkdir(exist_ok=True)
+    mpath = out / "manifest.json"
+    settings = _settings(target, max_len, kv)
+    if mpath.exists() and {k: v for k, v in json.loads(mpath.read_text()).items() if k in settings} != settings:
+        raise UserError(f"{out} holds states made with other settings (target, tap layers, max_len or K/V); "
+                        f"delete it to rebuild")
+    _atomic_json(mpath, {**settings, "shards": [s.replace(".jsonl", ".safetensors") for s in shards]})
+    by_shard: dict[str, list] = {}
+    for s in train + heldout:
+        by_shard.setdefault(s.shard, []).append(s)
+    todo = [s for s in shards if s in by_shard and not (out / s.replace(".jsonl", ".safetensors")).exists()]
+    bar = tqdm(total=sum(len(by_shard[s]) for s in todo), desc="target states", unit="seq")
+    for shard in todo:
+        tensors = {}
+        for seq in by_shard[shard]:
+            ids = torch.tensor(seq.ids[:max_len], device=target.device)[None]  # [1, T]
+            cache = DynamicCache(config=target.model.config) if kv else None
+            o = target.model.model(input_ids=ids, past_key_values=cache, use_cache=kv, output_hidden_states=True)
+            tensors[f"taps.{seq.id}"] = torch.cat([o.hidden_states[i + 1] for i in target.info.tap_layers], -1)[0]
+            if kv:  # [layers, 2, Hkv, T, D]
+                tensors[f"kv.{seq.id}"] = torch.stack([torch.stack([la.keys[0], la.values[0]]) for la in cache.layers])
+            bar.update(1)
+        final = out / shard.replace(".jsonl", ".safetensors")
+        tmp = final.with_name(f".{final.name}.tmp")
+        save_file({k: v.to(DTYPE).cpu().contiguous() for k, v in tensors.items()}, tmp)
+        os.replace(tmp, final)
+    bar.close()
+    return out
+
+
+class StateCache:
+    """Read side: padded batches of cached taps (and a K/V cache) for the trainer."""
+
+    def __init__(self, data_dir: Path, target: HFTarget, max_len: int, need_kv: bool):
+        self.dir, self.target = Path(data_dir) / DIRNAME, target
+        m = json.loads((self.dir / "manifest.json").read_text())
+        if m.get("target_fingerprint") != target.info.fingerprint:
+            raise UserError(f"{self.dir} holds states of another target; delete it and rebuild with "
+                            f"`dflow-trt cache-states --target {target.info.name}`")
+        self.where: dict[int, str] = {}
+        self._files = {}
+        for name in m["shards"]:
+            p = self.dir / name
+            if p.exists():
+                f = self._files[name] = safe_open(str(p), framework="pt")
+                self.where.update({int(k.split(".")[1]): name for k in f.keys() if k.startswith("taps.")})
+        self.need_kv = need_kv
+
+    @staticmethod
+    def usable(data_dir: Path, target: HFTarget, max_len: int, need_kv: bool) -> str | None:
+        """None when the cache at `data_dir` serves this run, else why not (or that there is none)."""
+        mpath = Path(data_dir) / DIRNAME / "manifest.json"
+        if not mpath.is_file():
+            return "none built"
+        m = json.loads(mpath.read_text())
+        if m.get("target_fingerprint") != target.info.fingerprint:
+            raise UserError(f"{mpath.parent} holds states of another target; delete it and rebuild with "
+                            f"`dflow-trt cache-states --target {target.info.name}`")
+        want = _settings(target, max_len, need_kv)
+        bad = [k for k in ("format", "tap_layers", "max_len") if m.get(k) != want[k]]
+        if need_kv and not m.get("kv"):
+            bad.append("kv")
+        return f"built with other {', '.join(bad)}" if bad else None
+
+    def covers(self, ids: list[int]) -> bool:
+        return all(i in self.where for i in ids)
+
+    def batch(self, seq_ids: list[int], T: int):
+        """Taps [N, T, F] (zero past each sequence) and, if needed, a DynamicCache of length T."""
+        dev, dt = self.target.device, self.target.model.dtype
+        get = lambda kind, i: self._files[self.where[i]].get_tensor(f"{kind}.{i}")  # noqa: E731
+        taps = [get("taps", i) for i in seq_ids]
+        out = torch.zeros(len(seq_ids), T, taps[0].shape[-1], dtype=dt, device=dev)
+        for b, t in enumerate(taps):
+            out[b, : t.shape[0]] = t[:T].to(device=dev, dtype=dt)
+        if not self.need_kv:
+            return out, None
+        kvs = [get("kv", i) for i in seq_ids]  # each [layers, 2, Hkv, T_i, D]
+        full = torch.zeros(len(seq_ids), *kvs[0].shape[:-2], T, kvs[0].shape[-1], dtype=dt, device=dev)
+        for b, x in enumerate(kvs):
+            full[b, ..., : x.shape[-2], :] = x[..., :T, :].to(device=dev, dtype=dt)
+        cache = DynamicCache(config=self.target.model.config)
+        for layer in range(full.shape[1]):
+            cache.update(full[:, layer, 0], full[:, layer, 1], layer)
+        return out, cache
+
+
+def _atomic_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
