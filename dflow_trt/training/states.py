@@ -75,10 +75,7 @@ class StateCache:
 
     def __init__(self, data_dir: Path, target: HFTarget, max_len: int, need_kv: bool):
         self.dir, self.target = Path(data_dir) / DIRNAME, target
-        m = json.loads((self.dir / "manifest.json").read_text())
-        if m.get("target_fingerprint") != target.info.fingerprint:
-            raise UserError(f"{self.dir} holds states of another target; delete it and rebuild with "
-                            f"`dflow-trt cache-states --target {target.info.name}`")
+        m = _manifest(self.dir / "manifest.json", target)
         self.where: dict[int, str] = {}
         self._files = {}
         for name in m["shards"]:
@@ -94,10 +91,7 @@ class StateCache:
         mpath = Path(data_dir) / DIRNAME / "manifest.json"
         if not mpath.is_file():
             return "none built"
-        m = json.loads(mpath.read_text())
-        if m.get("target_fingerprint") != target.info.fingerprint:
-            raise UserError(f"{mpath.parent} holds states of another target; delete it and rebuild with "
-                            f"`dflow-trt cache-states --target {target.info.name}`")
+        m = _manifest(mpath, target)
         want = _settings(target, max_len, need_kv)
         bad = [k for k in ("format", "tap_layers", "max_len") if m.get(k) != want[k]]
         if need_kv and not m.get("kv"):
@@ -125,6 +119,15 @@ class StateCache:
         for layer in range(full.shape[1]):
             cache.update(full[:, layer, 0], full[:, layer, 1], layer)
         return out, cache
+
+
+def _manifest(path: Path, target: HFTarget) -> dict:
+    """A states manifest, refused when it was made by another target."""
+    m = json.loads(path.read_text())
+    if m.get("target_fingerprint") != target.info.fingerprint:
+        raise UserError(f"{path.parent} holds states of another target; delete it and rebuild with "
+                        f"`dflow-trt cache-states --target {target.info.name}`")
+    return m
 
 
 def _atomic_json(path: Path, obj: dict) -> None:
