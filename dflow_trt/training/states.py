@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 from ..errors import UserError
 from ..targets.hf_target import HFTarget
-from .data import load_dataset
+from .data import _atomic_write, load_dataset
 
 DIRNAME, FORMAT, DTYPE = "states", 1, torch.bfloat16
 
@@ -46,11 +46,11 @@ def build_states(target: HFTarget, data_dir: Path, max_len: int, kv: bool = True
     if mpath.exists() and {k: v for k, v in json.loads(mpath.read_text()).items() if k in settings} != settings:
         raise UserError(f"{out} holds states made with other settings (target, tap layers, max_len or K/V); "
                         f"delete it to rebuild")
-    _atomic_json(mpath, {**settings, "shards": [s.replace(".jsonl", ".safetensors") for s in shards]})
+    _atomic_write(mpath, json.dumps({**settings, "shards": [_states_file(s) for s in shards]}, indent=1))
     by_shard: dict[str, list] = {}
     for s in train + heldout:
         by_shard.setdefault(s.shard, []).append(s)
-    todo = [s for s in shards if s in by_shard and not (out / s.replace(".jsonl", ".safetensors")).exists()]
+    todo = [s for s in shards if s in by_shard and not (out / _states_file(s)).exists()]
     bar = tqdm(total=sum(len(by_shard[s]) for s in todo), desc="target states", unit="seq")
     for shard in todo:
         tensors = {}
@@ -62,7 +62,7 @@ def build_states(target: HFTarget, data_dir: Path, max_len: int, kv: bool = True
             if kv:  # [layers, 2, Hkv, T, D]
                 tensors[f"kv.{seq.id}"] = torch.stack([torch.stack([la.keys[0], la.values[0]]) for la in cache.layers])
             bar.update(1)
-        final = out / shard.replace(".jsonl", ".safetensors")
+        final = out / _states_file(shard)
         tmp = final.with_name(f".{final.name}.tmp")
         save_file({k: v.to(DTYPE).cpu().contiguous() for k, v in tensors.items()}, tmp)
         os.replace(tmp, final)
@@ -73,7 +73,7 @@ def build_states(target: HFTarget, data_dir: Path, max_len: int, kv: bool = True
 class StateCache:
     """Read side: padded batches of cached taps (and a K/V cache) for the trainer."""
 
-    def __init__(self, data_dir: Path, target: HFTarget, max_len: int, need_kv: bool):
+    def __init__(self, data_dir: Path, target: HFTarget, need_kv: bool):
         self.dir, self.target = Path(data_dir) / DIRNAME, target
         m = _manifest(self.dir / "manifest.json", target)
         self.where: dict[int, str] = {}
@@ -130,7 +130,6 @@ def _manifest(path: Path, target: HFTarget) -> dict:
     return m
 
 
-def _atomic_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+def _states_file(data_shard: str) -> str:
+    """The states file of a data shard: shard-0003.jsonl -> shard-0003.safetensors."""
+    return data_shard.replace(".jsonl", ".safetensors")

@@ -128,7 +128,7 @@ def _state_cache(cfg: TrainConfig, target: HFTarget, seqs: list[Sequence], rank:
         return None
     need_kv = cfg.objective == "dflow"
     why = StateCache.usable(Path(cfg.data_dir), target, cfg.max_len, need_kv)
-    cache = StateCache(Path(cfg.data_dir), target, cfg.max_len, need_kv) if why is None else None
+    cache = StateCache(Path(cfg.data_dir), target, need_kv) if why is None else None
     if cache is not None and not cache.covers([s.id for s in seqs]):
         why, cache = "missing some sequences (build not finished)", None
     if rank == 0:
