@@ -48,12 +48,14 @@ class ModeRun:
 
 
 def run_mode(target_name: str, drafter_path: str | None, mode: str, prompts: list[list[int]], max_new_tokens: int,
-             block_size: int | None, stop_token_ids=None, warn=print, target=None) -> ModeRun:
+             block_size: int | None, stop_token_ids=None, warn=print, target=None,
+             verify_threshold: float = 0.0) -> ModeRun:
     target, model = load_target_and_drafter(target_name, drafter_path, mode, warn=warn, target=target)
     drafter = TorchDrafter(model, block_size) if model is not None else None
     tokens, accept, secs = [], [], 0.0
     for p in tqdm(prompts, desc=mode, leave=False):
-        r = generate(target, drafter, [p], mode, max_new_tokens, stop_token_ids=stop_token_ids)
+        r = generate(target, drafter, [p], mode, max_new_tokens, stop_token_ids=stop_token_ids,
+                     verify_threshold=verify_threshold)
         tokens.append(r.token_ids[0])
         accept += r.acceptance_lengths[0]
         secs += r.total_s
@@ -117,7 +119,7 @@ def _plot(report: dict, path: Path) -> None:
 
 def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], datasets: list[str], num_prompts: int,
               max_new_tokens: int, chat: bool, block_size: int | None, json_out: str | None,
-              plot_out: str | None = None) -> int:
+              plot_out: str | None = None, verify_threshold: float = 0.0) -> int:
     console = Console(stderr=False)
     bad = [m for m in modes if m not in MODES]
     if bad:
@@ -133,13 +135,15 @@ def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], da
         ids = [encode_prompt(loaded.tokenizer, t, chat) for t in texts]
         name = Path(ds).stem if ds.endswith(".jsonl") else ds
         per_dataset[name] = {m: run_mode(target, drafters.get(m), m, ids, max_new_tokens, block_size,
-                                         warn=lambda s: console.print(f"[yellow]{s}"), target=loaded)
+                                         warn=lambda s: console.print(f"[yellow]{s}"), target=loaded,
+                                         verify_threshold=verify_threshold)
                              for m in modes}
     report = {"target": target, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "chat": chat,
-              "decoding": "greedy", "modes": _summary(_merge(per_dataset)),
+              "decoding": "greedy", "verify_threshold": verify_threshold, "modes": _summary(_merge(per_dataset)),
               "datasets": {d: {"modes": _summary(r)} for d, r in per_dataset.items()}}
     for d, r in [*report["datasets"].items(), ("all", report)]:
-        t = Table(title=f"{target} · {d} · greedy · {num_prompts} prompts × {max_new_tokens} tokens")
+        verify = f" · verify threshold {verify_threshold:g}" if verify_threshold else ""
+        t = Table(title=f"{target} · {d} · greedy · {num_prompts} prompts × {max_new_tokens} tokens{verify}")
         for c in ("mode", "drafter", "block", "τ", "accept pos 1..4", "tokens/s", "speedup", "matches ar"):
             t.add_column(c, justify="right")
         for m, s in r["modes"].items():

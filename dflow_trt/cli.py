@@ -31,7 +31,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     sampling = SamplingParams(a.temperature, a.top_p, a.top_k, a.seed)
     target, drafter = load_backends(a.target, a.drafter, a.mode, a.backend, a.build_dir, a.block_size)
     prompt_ids = encode_prompt(target.tokenizer, a.prompt, a.chat)
-    res = generate(target, drafter, [prompt_ids], a.mode, a.max_new_tokens, sampling)
+    res = generate(target, drafter, [prompt_ids], a.mode, a.max_new_tokens, sampling,
+                   verify_threshold=a.verify_threshold)
     ids = res.token_ids[0]
     text = target.tokenizer.decode(ids, skip_special_tokens=True)
     if a.json:
@@ -50,7 +51,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_demo(a: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(a.target, a.max_new_tokens, a.num_prompts)
+    return run_demo(a.target, a.max_new_tokens, a.num_prompts, a.verify_threshold)
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -61,7 +62,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         for m in a.modes.split(","):
             drafters[m] = a.drafter
     return run_bench(a.target, drafters, [m for m in a.modes.split(",") if m], a.dataset.split(","), a.num_prompts,
-                     a.max_new_tokens, a.chat, a.block_size, a.json_out, a.plot_out)
+                     a.max_new_tokens, a.chat, a.block_size, a.json_out, a.plot_out, a.verify_threshold)
 
 
 def cmd_client(a: argparse.Namespace) -> int:
@@ -152,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backend", default="torch", choices=["torch", "onnxruntime"],
                    help="onnxruntime runs the exported graphs (exported into --build-dir first if missing)")
     g.add_argument("--build-dir", default=None, help="build folder for --backend onnxruntime (default build/<target>)")
+    g.add_argument("--verify-threshold", type=float, default=0.0,
+                   help="verify only drafts whose estimated acceptance chance is >= this (0: the whole block)")
     _add_sampling(g)
     g.set_defaults(func=cmd_generate)
 
@@ -159,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--target", default="smollm2-135m")
     d.add_argument("--max-new-tokens", type=int, default=48)
     d.add_argument("--num-prompts", type=int, default=3)
+    d.add_argument("--verify-threshold", type=float, default=0.0,
+                   help="verify only drafts whose estimated acceptance chance is >= this (0: the whole block)")
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="tau, acceptance by position, tokens/s and speedup per mode and dataset")
@@ -174,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     b.add_argument("--json-out", default=None, help="write the report here (and a PNG plot beside it)")
     b.add_argument("--plot-out", default=None)
+    b.add_argument("--verify-threshold", type=float, default=0.0,
+                   help="verify only drafts whose estimated acceptance chance is >= this (0: the whole block)")
     b.set_defaults(func=cmd_bench)
 
     c = sub.add_parser("client", help="decode through a running Triton server (gRPC streaming)")

@@ -18,10 +18,12 @@ DEMO_PROMPTS = [
 ]
 
 
-def run_demo(target_name: str = "smollm2-135m", max_new_tokens: int = 48, num_prompts: int = 3) -> int:
+def run_demo(target_name: str = "smollm2-135m", max_new_tokens: int = 48, num_prompts: int = 3,
+             verify_threshold: float = 0.0) -> int:
     console = Console()
     prompts_text = DEMO_PROMPTS[:num_prompts]
-    table = Table(title=f"{target_name}: greedy, {len(prompts_text)} prompts x {max_new_tokens} new tokens")
+    verify = f", verify threshold {verify_threshold:g}" if verify_threshold else ""
+    table = Table(title=f"{target_name}: greedy, {len(prompts_text)} prompts x {max_new_tokens} new tokens{verify}")
     for col in ("mode", "drafter", "block", "tau", "tokens/s", "speedup", "matches ar"):
         table.add_column(col, justify="right")
     ar_tokens, ar_tps = None, None
@@ -31,7 +33,8 @@ def run_demo(target_name: str = "smollm2-135m", max_new_tokens: int = 48, num_pr
         prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                         tokenize=True, return_dict=True)["input_ids"]
                    for p in prompts_text]
-        results = [generate(target, drafter, [p], mode, max_new_tokens) for p in prompts]
+        results = [generate(target, drafter, [p], mode, max_new_tokens, verify_threshold=verify_threshold)
+                   for p in prompts]
         tokens = [r.token_ids[0] for r in results]
         n_tok = sum(len(t) for t in tokens)
         tps = n_tok / sum(r.total_s for r in results)

@@ -12,6 +12,24 @@ def test_greedy_accept_longest_prefix_and_next_token():
     a, nxt = greedy_accept(drafts, logits)
     assert a.tolist() == [3, 1, 0]
     assert nxt.tolist() == [4, 6, 1]  # bonus after full acceptance, else the target's token at the miss
+    # rows proposing fewer drafts stop there and take the target's token at the next slot
+    a, nxt = greedy_accept(drafts, logits, torch.tensor([2, 3, 1]))
+    assert a.tolist() == [2, 1, 0] and nxt.tolist() == [3, 6, 1]
+
+
+def test_rejection_sampling_of_fewer_drafts_draws_the_bonus_from_the_target():
+    V, N = 5, 20000
+    target = torch.softmax(torch.randn(V, generator=torch.Generator().manual_seed(2)) * 1.5, -1)
+    draft = torch.softmax(torch.randn(V, generator=torch.Generator().manual_seed(3)) * 1.5, -1)
+    g = torch.Generator().manual_seed(4)
+    d = torch.multinomial(draft.expand(N, V), 2, replacement=True, generator=g)  # [N, 2]
+    a, nxt = rejection_sample(d, draft.expand(N, 2, V).contiguous(), target.expand(N, 3, V).contiguous(), g,
+                              num_drafts=torch.ones(N, dtype=torch.long))
+    assert a.max() == 1  # the second draft is never proposed
+    # the token after the first accepted draft follows the target (bonus), not the residual
+    counts = torch.bincount(nxt[a == 1], minlength=V).numpy()
+    expected = target.double().numpy() * counts.sum()
+    assert chisquare(counts, expected * counts.sum() / expected.sum()).pvalue > 1e-3
 
 
 def test_rejection_sampling_output_follows_target_distribution():

@@ -75,3 +75,53 @@ def test_stop_tokens_and_max_new_tokens(tiny_qwen3):
 @pytest.mark.slow
 def test_smollm2_lossless(smollm2):
     _check_target(smollm2, max_new=24)
+
+
+class _Unsure:
+    """Wraps a drafter and reports seeded random confidences, so the verify length varies by round."""
+
+    def __init__(self, inner, seed=0):
+        self.inner, self.gen = inner, torch.Generator().manual_seed(seed)
+        self.block_size, self.uses_flow = inner.block_size, inner.uses_flow
+        self.flow_sizes = []
+
+    def new_state(self, batch_size, generator=None):
+        return self.inner.new_state(batch_size, generator)
+
+    def draft(self, state, context_taps, context_lens, anchor_ids, anchor_pos, flow, sampler):
+        from dflow_trt.decoding.interfaces import Proposal
+
+        if flow is not None:
+            self.flow_sizes.append(flow.valid.shape[1])
+        prop = self.inner.draft(state, context_taps, context_lens, anchor_ids, anchor_pos, flow, sampler)
+        conf = 0.3 + 0.7 * torch.rand(prop.draft_ids.shape, generator=self.gen)
+        return Proposal(prop.draft_ids, prop.draft_probs, confidence=conf)
+
+
+@pytest.mark.parametrize("S", (4, 16))
+def test_shortened_verify_is_lossless(tiny_qwen3, S):
+    """Verifying only the drafts the drafter is sure of changes cost, never tokens."""
+    prompts, max_new = _prompts(tiny_qwen3, 4), 32
+    ar_long = [generate(tiny_qwen3, None, [p], "ar", max_new + 16, stop_token_ids=()).token_ids[0] for p in prompts]
+    ar = [a[:max_new] for a in ar_long]
+    untrained = build_drafter(tiny_qwen3, untrained_config(tiny_qwen3, flow=True, block_size=S))
+    for inner in (TorchDrafter(untrained, S), OracleDrafter([p + a for p, a in zip(prompts, ar_long)], S)):
+        for mode in ("dflash", "dflow"):
+            d = _Unsure(inner)
+            res = generate(tiny_qwen3, d, prompts, mode, max_new, stop_token_ids=(), verify_threshold=0.5)
+            assert res.token_ids == ar, (type(inner).__name__, mode, S)
+            n_rounds = sum(len(a) for a in res.acceptance_lengths)
+            assert n_rounds <= res.verified_drafts < n_rounds * (S - 1)  # shortened, never empty
+            assert all(n == S for n in d.flow_sizes)  # flow always covers a whole next block
+            full = generate(tiny_qwen3, inner, prompts, mode, max_new, stop_token_ids=())
+            assert full.verified_drafts == sum(len(a) for a in full.acceptance_lengths) * (S - 1)
+
+
+def test_verify_length_rule():
+    from dflow_trt.decoding.loop import verify_lengths
+
+    conf = torch.tensor([[0.9, 0.9, 0.5, 0.9], [0.6, 0.2, 0.9, 0.9]])  # cumprod: .9 .81 .405 .36 / .6 .12 ..
+    assert verify_lengths(conf, 0.4).tolist() == [3, 1]
+    assert verify_lengths(conf, 0.85).tolist() == [1, 1]
+    assert verify_lengths(conf, 0.95).tolist() == [1, 1]  # at least one draft
+    assert verify_lengths(conf, 0.3).tolist() == [4, 1]

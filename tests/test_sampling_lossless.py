@@ -67,13 +67,14 @@ class CloseDrafter:
                 x.append(int(t[b]))
         draft_ids = torch.stack(ids, 1)  # [B, S-1]
         state["drafts"], state["pos"] = draft_ids.tolist(), anchor_pos.clone()
-        return Proposal(draft_ids=draft_ids, draft_probs=torch.stack(probs, 1))  # [B, S-1, V]
+        q = torch.stack(probs, 1)  # [B, S-1, V]
+        return Proposal(draft_ids=draft_ids, draft_probs=q, confidence=q.gather(-1, draft_ids[..., None])[..., 0])
 
 
-def _samples(target, drafter, mode, params, block):
+def _samples(target, drafter, mode, params, block, verify_threshold=0.0):
     if drafter is not None and not isinstance(drafter, CloseDrafter):
         drafter = TorchDrafter(drafter, block)
-    res = generate(target, drafter, [PROMPT] * N, mode, K, params, stop_token_ids=())
+    res = generate(target, drafter, [PROMPT] * N, mode, K, params, stop_token_ids=(), verify_threshold=verify_threshold)
     return [tuple(r[:K]) for r in res.token_ids], res
 
 
@@ -103,12 +104,15 @@ def test_speculative_sampling_matches_ar(small_target, mode, block):
     assert p > 1e-3, f"{mode}: distribution differs from ar (p={p:.2e})"
 
 
-@pytest.mark.parametrize("mode,block", [("dflash", 4), ("dflow", 3)])
-def test_speculative_sampling_with_a_close_drafter_matches_ar(small_target, mode, block):
+@pytest.mark.parametrize("mode,block,threshold", [("dflash", 4, 0.0), ("dflow", 3, 0.0), ("dflow", 4, 0.05)])
+def test_speculative_sampling_with_a_close_drafter_matches_ar(small_target, mode, block, threshold):
+    """threshold > 0: rounds verify only a prefix of the drafts (the drafter's confidences decide)."""
     drafter = CloseDrafter(small_target.model, block, uses_flow=(mode == "dflow"))
     ar, _ = _samples(small_target, None, "ar", SamplingParams(1.0, 0.95, 12, seed=13), 1)
-    spec, res = _samples(small_target, drafter, mode, SamplingParams(1.0, 0.95, 12, seed=17), block)
+    spec, res = _samples(small_target, drafter, mode, SamplingParams(1.0, 0.95, 12, seed=17), block, threshold)
     assert res.tau > 1.5, res.tau  # most drafts accepted: the accept path carries the distribution
+    if threshold:  # some rounds were shortened
+        assert res.verified_drafts < sum(len(a) for a in res.acceptance_lengths) * (block - 1)
     _, p, _, _ = chi2_contingency(list(zip(*_table(ar, spec))))
     assert p > 1e-3, f"{mode}: distribution differs from ar (p={p:.2e})"
 

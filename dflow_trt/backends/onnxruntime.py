@@ -19,7 +19,7 @@ import onnxruntime as ort
 import torch
 
 from ..decoding.interfaces import FlowState, Proposal, TargetInfo, TargetOutput
-from ..decoding.sampling import SamplingParams, processed_probs, sample
+from ..decoding.sampling import SamplingParams, propose
 from ..drafter.config import DrafterConfig
 from ..errors import UserError
 from ..export import onnx_drafter, onnx_target
@@ -199,11 +199,4 @@ class OrtDrafter:
             feeds += [np.ascontiguousarray(k[:, :, :C]), np.ascontiguousarray(v[:, :, :C])]
         logits, *new = self.session.run(None, dict(zip(self.input_names, feeds)))
         self._store(st, new, context_lens)
-        logits = torch.from_numpy(logits)  # [B, S-1, Vd]
-        if sampler.greedy:
-            return Proposal(draft_ids=self.draft_vocab[logits.argmax(-1)], draft_probs=None)
-        probs_d = processed_probs(logits, sampler)  # [B, S-1, Vd]
-        ids_d = sample(probs_d, st.generator)
-        probs = probs_d.new_zeros(B, S - 1, c.target.vocab_size)
-        probs[..., self.draft_vocab] = probs_d
-        return Proposal(draft_ids=self.draft_vocab[ids_d], draft_probs=probs)
+        return propose(torch.from_numpy(logits), self.draft_vocab, c.target.vocab_size, sampler, st.generator)

@@ -10,25 +10,38 @@ from __future__ import annotations
 import torch
 
 
-def greedy_accept(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """draft_ids [B, S-1], target_logits [B, S, V] -> (num_accepted [B], next_token [B])."""
+def _proposed(draft_ids: torch.Tensor, num_drafts: torch.Tensor | None) -> torch.Tensor:
+    """[B, S-1] True where a row proposes that draft (its first num_drafts[b]; all when None)."""
+    if num_drafts is None:
+        return torch.ones_like(draft_ids, dtype=torch.bool)
+    return torch.arange(draft_ids.shape[1], device=draft_ids.device)[None, :] < num_drafts[:, None]
+
+
+def greedy_accept(draft_ids: torch.Tensor, target_logits: torch.Tensor,
+                  num_drafts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """draft_ids [B, S-1], target_logits [B, S, V] -> (num_accepted [B], next_token [B]).
+
+    num_drafts [B]: row b proposes only its first num_drafts[b] drafts (the rest ride along unverified)."""
     B, S, _ = target_logits.shape
     assert draft_ids.shape == (B, S - 1), (draft_ids.shape, target_logits.shape)
     target_ids = target_logits.argmax(-1)  # [B, S]
-    match = (draft_ids == target_ids[:, :-1]).long()  # [B, S-1]
+    match = ((draft_ids == target_ids[:, :-1]) & _proposed(draft_ids, num_drafts)).long()  # [B, S-1]
     num_accepted = match.cumprod(-1).sum(-1)  # [B]
     next_token = target_ids.gather(1, num_accepted[:, None])[:, 0]  # [B]
     return num_accepted, next_token
 
 
 def rejection_sample(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     generator: torch.Generator | None = None,
+                     num_drafts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless speculative sampling (Leviathan et al.; Chen et al.).
 
     draft_ids [B, S-1] were drawn from draft_probs [B, S-1, V]; target_probs [B, S, V].
     Accept draft i with probability min(1, target/draft); at the first rejection draw the
     recovered token from norm(max(target - draft, 0)); after S-1 acceptances draw the bonus
     token from target_probs[:, S-1]. Returns (num_accepted [B], next_token [B]).
+    num_drafts [B]: row b proposes only its first num_drafts[b] drafts; after accepting them all it
+    draws the bonus token from the target at the next slot, as if its block ended there.
     """
     B, S, V = target_probs.shape
     assert draft_ids.shape == (B, S - 1) and draft_probs.shape == (B, S - 1, V)
@@ -36,12 +49,13 @@ def rejection_sample(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_
     p_target = target_probs[:, :-1].gather(-1, idx)[..., 0]  # [B, S-1]
     p_draft = draft_probs.gather(-1, idx)[..., 0]  # [B, S-1]
     u = torch.rand(p_target.shape, generator=generator, device=p_target.device)
-    accepted = (u * p_draft < p_target).long()  # u < p_target / p_draft, without dividing by 0
+    proposed = _proposed(draft_ids, num_drafts)
+    accepted = ((u * p_draft < p_target) & proposed).long()  # u < p_target / p_draft, without dividing by 0
     num_accepted = accepted.cumprod(-1).sum(-1)  # [B]
 
     at = num_accepted[:, None, None].expand(B, 1, V)
     target_at = target_probs.gather(1, at)[:, 0]  # [B, V]
-    padded_draft = torch.cat([draft_probs, draft_probs.new_zeros(B, 1, V)], 1)  # bonus slot: no draft
+    padded_draft = torch.cat([draft_probs * proposed[..., None], draft_probs.new_zeros(B, 1, V)], 1)  # unproposed: no draft
     residual = (target_at - padded_draft.gather(1, at)[:, 0]).clamp(min=0)  # [B, V]
     mass = residual.sum(-1, keepdim=True)
     # Where rounding leaves no residual mass (target == draft), the target itself is the residual.

@@ -14,14 +14,16 @@ from .interfaces import FlowState
 
 
 def carry_flow(block_ids: torch.Tensor, block_taps: torch.Tensor, block_target_ids: torch.Tensor,
-               num_accepted: torch.Tensor) -> FlowState:
+               num_accepted: torch.Tensor, next_size: int | None = None) -> FlowState:
     """Verified block [B, S] (ids, taps [B, S, F], the target's argmax ids) and num_accepted [B]
-    -> FlowState over the next block [B, S]."""
+    -> FlowState over the next block [B, next_size] (default S; larger when this round verified a
+    shortened block)."""
     B, S = block_ids.shape
-    src = num_accepted[:, None] + 1 + torch.arange(S, device=block_ids.device)  # [B, S] source slot
+    n = next_size or S
+    src = num_accepted[:, None] + 1 + torch.arange(n, device=block_ids.device)  # [B, n] source slot
     valid = src < S
     src = src.clamp(max=S - 1)
-    taps = block_taps.gather(1, src[..., None].expand(B, S, block_taps.shape[-1]))
+    taps = block_taps.gather(1, src[..., None].expand(B, n, block_taps.shape[-1]))
     taps = taps * valid[..., None]
     token_ids = block_ids.gather(1, src) * valid
     hint_ids = block_target_ids.gather(1, src) * valid

@@ -34,6 +34,7 @@ class GenerationResult:
     verify_s: float = 0.0
     total_s: float = 0.0
     rounds: int = 0
+    verified_drafts: int = 0  # drafts sent to the target, all rows' rounds (the verify cost beside τ)
     finish_reasons: list[str] = field(default_factory=list)  # "stop" | "length"
 
     @property
@@ -60,7 +61,8 @@ def _pad_left(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torc
 def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], mode: str = "dflow",
              max_new_tokens: int = 64, sampling: SamplingParams = SamplingParams(),
              stop_token_ids: tuple[int, ...] | None = None,
-             on_round: Callable[[RoundEvent], bool | None] | None = None) -> GenerationResult:
+             on_round: Callable[[RoundEvent], bool | None] | None = None,
+             verify_threshold: float = 0.0) -> GenerationResult:
     """Decode `prompts` (lists of token ids) with the target, speculatively unless mode == "ar".
 
     Invariant at the top of every round, per row b with n_b generated tokens:
@@ -73,6 +75,9 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
       aligned with the coming block (see flow.py); nothing else of a rejected draft survives.
     Greedy output equals the target's own greedy decoding; sampled output has its distribution.
     `on_round` sees each round's committed tokens; returning True cancels the generation.
+    `verify_threshold` > 0: each row proposes only the drafts whose chance of acceptance, as the
+    drafter's own confidence estimates it, stays at or above it (`verify_lengths`), and the batch
+    verifies its longest row's; output is unchanged, a round costs less. 0 verifies the whole block.
     """
     if mode not in MODES:
         raise UserError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
@@ -82,6 +87,8 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
         raise UserError(f"max new tokens must be >= 1, got {max_new_tokens}")
     if mode != "ar" and drafter is None:
         raise UserError(f"mode {mode!r} needs a drafter")
+    if not 0.0 <= verify_threshold < 1.0:
+        raise UserError(f"verify threshold must be in [0, 1), got {verify_threshold}")
     if mode == "dflow" and not drafter.uses_flow:
         raise UserError("this drafter was built without flow conditioning; use --mode dflash or a DFlow drafter")
     speculative = mode != "ar"
@@ -107,14 +114,19 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
     new_ctx, new_ctx_lens = right_align(out.taps, lens), lens.clone()
     flow: FlowState | None = None
     draft_s = verify_s = 0.0
-    rounds = 0
+    rounds = verified = 0
     while not all(done):
         rounds += 1
         t0 = time.perf_counter()
+        n_drafts = None  # per row: how many drafts it proposes (None: all)
         if speculative:
             prop = drafter.draft(dstate, new_ctx, new_ctx_lens, anchor, anchor_pos,
                                  flow if mode == "dflow" else None, sampling)
-            block = torch.cat([anchor[:, None], prop.draft_ids.to(anchor.device)], 1)  # [B, S]
+            if verify_threshold > 0 and prop.confidence is not None:
+                n_drafts = verify_lengths(prop.confidence, verify_threshold).to(anchor.device)  # [B]
+            k = None if n_drafts is None else int(n_drafts.max())  # the batch verifies its longest row's drafts
+            drafts, draft_probs = prop.draft_ids[:, :k], None if prop.draft_probs is None else prop.draft_probs[:, :k]
+            block = torch.cat([anchor[:, None], drafts.to(anchor.device)], 1)  # [B, k+1]
         else:
             block = anchor[:, None]  # [B, 1]
         t1 = time.perf_counter()
@@ -122,23 +134,26 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
         if not speculative:
             num_acc, nxt = torch.zeros(B, dtype=torch.long), pick(out.logits[:, 0], sampling, gen)
         elif sampling.greedy:
-            num_acc, nxt = greedy_accept(block[:, 1:], out.logits)
+            num_acc, nxt = greedy_accept(block[:, 1:], out.logits, n_drafts)
         else:
-            num_acc, nxt = rejection_sample(block[:, 1:], prop.draft_probs, processed_probs(out.logits, sampling), gen)
+            num_acc, nxt = rejection_sample(block[:, 1:], draft_probs, processed_probs(out.logits, sampling), gen,
+                                            n_drafts)
         target.commit(cache, num_acc + 1)
         if speculative:
             new_ctx, new_ctx_lens = out.taps, num_acc + 1  # committed slots are the block's first a+1
             if mode == "dflow":
-                flow = carry_flow(block, out.taps, out.logits.argmax(-1), num_acc)
+                flow = carry_flow(block, out.taps, out.logits.argmax(-1), num_acc, drafter.block_size)
         verify_s += time.perf_counter() - t1
         draft_s += t1 - t0
 
         acc, nxt_l, blk = num_acc.tolist(), nxt.tolist(), block.tolist()  # one host sync per round
+        proposed = [len(blk[0]) - 1] * B if n_drafts is None else n_drafts.tolist()
         committed: list[list[int]] = [[] for _ in range(B)]
         for b in range(B):
             if done[b]:
                 continue
             accept_lens[b].append(acc[b] + 1)
+            verified += proposed[b]
             for t in blk[b][1:acc[b] + 1] + [nxt_l[b]]:
                 committed[b].append(t)
                 tokens[b].append(t)
@@ -150,5 +165,11 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
             break
     return GenerationResult(token_ids=tokens, acceptance_lengths=accept_lens, prefill_s=prefill_s,
                             draft_s=draft_s, verify_s=verify_s, total_s=time.perf_counter() - t_start,
-                            rounds=rounds, finish_reasons=reasons)
+                            rounds=rounds, verified_drafts=verified, finish_reasons=reasons)
 
+
+
+def verify_lengths(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
+    """How many drafts each row proposes [B]: the longest prefix whose estimated chance of being
+    accepted whole (the product of the drafter's confidences [B, S-1]) is >= threshold; at least one."""
+    return (confidence.float().cumprod(-1) >= threshold).sum(-1).clamp(min=1)

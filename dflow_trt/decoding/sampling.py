@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UserError
+from .interfaces import Proposal
 
 
 @dataclass(frozen=True)
@@ -67,3 +68,21 @@ def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
     if params.greedy:
         return logits.argmax(-1)
     return sample(processed_probs(logits, params), generator)
+
+
+def propose(logits: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: int, params: SamplingParams,
+            generator: torch.Generator | None) -> Proposal:
+    """Drafter logits over its draft vocabulary [B, S-1, Vd] -> a Proposal in target ids.
+
+    `confidence` is the drafter's probability of each proposed token (the verify-length policy
+    reads it); sampled drafts also carry their full distribution for rejection sampling.
+    """
+    if params.greedy:
+        conf, ids_d = logits.float().softmax(-1).max(-1)  # [B, S-1]
+        return Proposal(draft_ids=draft_vocab[ids_d], draft_probs=None, confidence=conf)
+    probs_d = processed_probs(logits, params)  # [B, S-1, Vd]
+    ids_d = sample(probs_d, generator)
+    probs = probs_d.new_zeros(*probs_d.shape[:-1], vocab_size)
+    probs[..., draft_vocab] = probs_d
+    return Proposal(draft_ids=draft_vocab[ids_d], draft_probs=probs,
+                    confidence=probs_d.gather(-1, ids_d[..., None])[..., 0])

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import UserError
 from ..decoding.interfaces import FlowState, Proposal
-from ..decoding.sampling import SamplingParams, processed_probs, sample
+from ..decoding.sampling import SamplingParams, propose
 from .model import DFlowDrafter
 
 
@@ -79,10 +79,4 @@ class TorchDrafter:
         mask = torch.cat([ctx_mask[:, None, :].expand(B, S, C), ctx_mask.new_ones(B, S, S)], -1)  # [B, S, C+S]
         kv = [(k[:, :, :C], v[:, :, :C]) for k, v in zip(state.k, state.v)]
         logits = m.draft_logits(m.hidden(x, pos, kv, mask)[:, 1:])  # [B, S-1, Vd]
-        if sampler.greedy:
-            return Proposal(draft_ids=m.draft_vocab[logits.argmax(-1)], draft_probs=None)
-        probs_d = processed_probs(logits, sampler)  # [B, S-1, Vd]
-        ids_d = sample(probs_d, state.generator)
-        probs = probs_d.new_zeros(B, S - 1, self.config.target.vocab_size)
-        probs[..., m.draft_vocab] = probs_d
-        return Proposal(draft_ids=m.draft_vocab[ids_d], draft_probs=probs)
+        return propose(logits, m.draft_vocab, self.config.target.vocab_size, sampler, state.generator)

@@ -34,7 +34,7 @@ def _settings(target: HFTarget, max_len: int, kv: bool) -> dict:
 
 
 @torch.no_grad()
-def build_states(target: HFTarget, data_dir: Path, max_len: int, kv: bool = True) -> Path:
+def build_states(target: HFTarget, data_dir: Path, max_len: int, kv: bool = True, batch_size: int = 8) -> Path:
     """Run the target once over every sequence of `data_dir` and store its states (resumable)."""
     data_dir = Path(data_dir)
     train, heldout = load_dataset(data_dir, target)
@@ -54,14 +54,24 @@ def build_states(target: HFTarget, data_dir: Path, max_len: int, kv: bool = True
     bar = tqdm(total=sum(len(by_shard[s]) for s in todo), desc="target states", unit="seq")
     for shard in todo:
         tensors = {}
-        for seq in by_shard[shard]:
-            ids = torch.tensor(seq.ids[:max_len], device=target.device)[None]  # [1, T]
+        seqs = sorted(by_shard[shard], key=lambda s: len(s.ids))  # similar lengths share a batch
+        for i in range(0, len(seqs), batch_size):  # right-padded batches: padding never reaches real positions
+            group = seqs[i:i + batch_size]
+            lens = [min(len(s.ids), max_len) for s in group]
+            ids = torch.zeros(len(group), max(lens), dtype=torch.long, device=target.device)  # [b, T]
+            for b, s in enumerate(group):
+                ids[b, : lens[b]] = torch.tensor(s.ids[: lens[b]], device=target.device)
+            mask = (ids.new_tensor(lens)[:, None] > torch.arange(ids.shape[1], device=target.device)).long()  # [b, T]
             cache = DynamicCache(config=target.model.config) if kv else None
-            o = target.model.model(input_ids=ids, past_key_values=cache, use_cache=kv, output_hidden_states=True)
-            tensors[f"taps.{seq.id}"] = torch.cat([o.hidden_states[i + 1] for i in target.info.tap_layers], -1)[0]
-            if kv:  # [layers, 2, Hkv, T, D]
-                tensors[f"kv.{seq.id}"] = torch.stack([torch.stack([la.keys[0], la.values[0]]) for la in cache.layers])
-            bar.update(1)
+            o = target.model.model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=kv,
+                                   output_hidden_states=True)
+            taps = torch.cat([o.hidden_states[j + 1] for j in target.info.tap_layers], -1)  # [b, T, F]
+            for b, s in enumerate(group):
+                tensors[f"taps.{s.id}"] = taps[b, : lens[b]]
+                if kv:  # [layers, 2, Hkv, T, D]
+                    tensors[f"kv.{s.id}"] = torch.stack([torch.stack([la.keys[b, :, : lens[b]], la.values[b, :, : lens[b]]])
+                                                         for la in cache.layers])
+            bar.update(len(group))
         final = out / _states_file(shard)
         tmp = final.with_name(f".{final.name}.tmp")
         save_file({k: v.to(DTYPE).cpu().contiguous() for k, v in tensors.items()}, tmp)
