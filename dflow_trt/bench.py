@@ -32,6 +32,7 @@ class ModeRun:
     seconds: float
     drafter: str
     block_size: int
+    verified: int = 0  # drafts sent to the target over all rounds
 
     @property
     def tau(self) -> float:
@@ -52,15 +53,16 @@ def run_mode(target_name: str, drafter_path: str | None, mode: str, prompts: lis
              verify_threshold: float = 0.0) -> ModeRun:
     target, model = load_target_and_drafter(target_name, drafter_path, mode, warn=warn, target=target)
     drafter = TorchDrafter(model, block_size) if model is not None else None
-    tokens, accept, secs = [], [], 0.0
+    tokens, accept, secs, verified = [], [], 0.0, 0
     for p in tqdm(prompts, desc=mode, leave=False):
         r = generate(target, drafter, [p], mode, max_new_tokens, stop_token_ids=stop_token_ids,
                      verify_threshold=verify_threshold)
         tokens.append(r.token_ids[0])
         accept += r.acceptance_lengths[0]
         secs += r.total_s
+        verified += r.verified_drafts
     name = "-" if model is None else model.config.extra.get("name", Path(drafter_path or "untrained").name)
-    return ModeRun(tokens, accept, secs, name, drafter.block_size if drafter else 1)
+    return ModeRun(tokens, accept, secs, name, drafter.block_size if drafter else 1, verified)
 
 
 def _summary(runs: dict[str, ModeRun]) -> dict:
@@ -72,6 +74,7 @@ def _summary(runs: dict[str, ModeRun]) -> dict:
                      "matches_ar": (r.tokens == ar.tokens) if ar else None,
                      "acceptance_by_position": r.position_rates(), "rounds": len(r.acceptance),
                      "new_tokens": sum(len(t) for t in r.tokens), "seconds": r.seconds,
+                     "drafts_verified_per_round": r.verified / max(1, len(r.acceptance)),
                      "drafter": r.drafter, "block_size": r.block_size}
     return out
 
@@ -84,6 +87,7 @@ def _merge(per_dataset: dict[str, dict[str, ModeRun]]) -> dict[str, ModeRun]:
             m.tokens += r.tokens
             m.acceptance += r.acceptance
             m.seconds += r.seconds
+            m.verified += r.verified
     return merged
 
 
@@ -144,12 +148,12 @@ def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], da
     for d, r in [*report["datasets"].items(), ("all", report)]:
         verify = f" · verify threshold {verify_threshold:g}" if verify_threshold else ""
         t = Table(title=f"{target} · {d} · greedy · {num_prompts} prompts × {max_new_tokens} tokens{verify}")
-        for c in ("mode", "drafter", "block", "τ", "accept pos 1..4", "tokens/s", "speedup", "matches ar"):
+        for c in ("mode", "drafter", "block", "verified", "τ", "accept pos 1..4", "tokens/s", "speedup", "matches ar"):
             t.add_column(c, justify="right")
         for m, s in r["modes"].items():
             pos = " ".join(f"{x:.2f}" for x in s["acceptance_by_position"][:4]) or "-"
-            t.add_row(m, s["drafter"], str(s["block_size"]), f"{s['tau']:.2f}", pos, f"{s['tokens_per_s']:.1f}",
-                      f"{s['speedup_vs_ar']:.2f}x", "yes" if s["matches_ar"] else "NO")
+            t.add_row(m, s["drafter"], str(s["block_size"]), f"{s['drafts_verified_per_round']:.1f}", f"{s['tau']:.2f}",
+                      pos, f"{s['tokens_per_s']:.1f}", f"{s['speedup_vs_ar']:.2f}x", "yes" if s["matches_ar"] else "NO")
         console.print(t)
     if json_out:
         out = Path(json_out)

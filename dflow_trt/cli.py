@@ -80,7 +80,7 @@ def cmd_client(a: argparse.Namespace) -> int:
     send = generate_http if a.protocol == "http" else generate_grpc
     res = send(url, a.model, on_tokens=show, prompt=a.prompt, max_tokens=a.max_new_tokens, mode=a.mode,
                temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
-               stop_words=a.stop or None, block_size=a.block_size, chat=a.chat)
+               stop_words=a.stop or None, block_size=a.block_size, chat=a.chat, verify_threshold=a.verify_threshold)
     if a.json:
         print(json.dumps(res.as_dict()))
     else:
@@ -196,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--stop", action="append", default=[], help="stop word (repeatable)")
     c.add_argument("--stream", action="store_true", help="print text as rounds commit it")
     c.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    c.add_argument("--verify-threshold", type=float, default=0.0,
+                   help="verify only drafts whose estimated acceptance chance is >= this (0: the whole block)")
     _add_sampling(c)
     c.set_defaults(func=cmd_client)
 

@@ -73,6 +73,17 @@ def test_greedy_over_triton_equals_generate(tiny_server, tiny_reference, model):
                 assert got.stats["block_size"] == (1 if mode == "ar" else S)
 
 
+@pytest.mark.parametrize("model", ["dflow", "dflow_bls"])
+def test_verify_threshold_over_triton_keeps_the_tokens(tiny_server, tiny_reference, model):
+    """Shortened verification (the drafter model returns its confidences in the BLS layout)."""
+    for mode in ("dflash", "dflow"):
+        got = generate_grpc(tiny_server.grpc_url, model, prompt=PROMPTS[0], mode=mode, max_tokens=24, block_size=4,
+                            verify_threshold=0.5)
+        assert got.token_ids == tiny_reference(PROMPTS[0], mode, 24, 4), (model, mode)
+        # the untrained drafter is sure of nothing: one draft per round instead of three
+        assert got.stats["verified_drafts"] == got.stats["rounds"], got.stats
+
+
 def test_streaming_delivers_rounds(tiny_server):
     res = generate_grpc(tiny_server.grpc_url, prompt=PROMPTS[0], mode="dflow", max_tokens=20, block_size=4)
     acc = res.stats["acceptance_lengths"]
@@ -225,6 +236,7 @@ def test_bls_target_sessions_are_released(tiny_server, tiny_reference):
     ({"max_tokens": 10**6}, "max_tokens"),
     ({"block_size": 1}, "block_size"),
     ({"temperature": -1.0}, "temperature"),
+    ({"verify_threshold": 1.5}, "verify_threshold"),
 ])
 def test_bad_requests_get_an_error_and_the_server_keeps_serving(tiny_server, change, needle):
     req = {"prompt": "hi", "mode": "dflow", "max_tokens": 4, **change}

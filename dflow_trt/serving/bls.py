@@ -161,10 +161,11 @@ class RemoteDrafter:
         if flow is not None:
             inputs.update(flow_taps=flow.taps.numpy().astype(np.float32), flow_token_ids=flow.token_ids.numpy(),
                           flow_hint_ids=flow.hint_ids.numpy(), flow_valid=flow.valid.numpy())
-        names = ["draft_ids"] + ([] if sampler.greedy else ["draft_probs"])
+        names = ["draft_ids", "draft_confidence"] + ([] if sampler.greedy else ["draft_probs"])
         out = self.remote(self.model, inputs, names)
         probs = None if sampler.greedy else torch.from_numpy(np.array(out["draft_probs"]))
-        return Proposal(draft_ids=torch.from_numpy(np.array(out["draft_ids"])).long(), draft_probs=probs)
+        return Proposal(draft_ids=torch.from_numpy(np.array(out["draft_ids"])).long(), draft_probs=probs,
+                        confidence=torch.from_numpy(np.array(out["draft_confidence"])))
 
 
 # ---------------------------------------------------------------- server side (target / drafter models)
@@ -283,7 +284,8 @@ class DrafterService:
                              valid=torch.from_numpy(np.asarray(inputs["flow_valid"], bool)))
         prop = d.draft(st, taps, lens, torch.from_numpy(np.asarray(inputs["anchor_ids"], np.int64)),
                        torch.from_numpy(np.asarray(inputs["anchor_pos"], np.int64)), flow, sampler)
-        out = {"draft_ids": prop.draft_ids.numpy().astype(np.int64)}
+        out = {"draft_ids": prop.draft_ids.numpy().astype(np.int64),
+               "draft_confidence": prop.confidence.float().numpy()}
         if prop.draft_probs is not None:
             out["draft_probs"] = prop.draft_probs.float().numpy()
         return out

@@ -24,7 +24,8 @@ _DFLOW_IO = """input [
   { name: "seed", data_type: TYPE_INT64, dims: [ 1 ], optional: true },
   { name: "stop_words", data_type: TYPE_STRING, dims: [ -1 ], optional: true },
   { name: "block_size", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
-  { name: "chat", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }
+  { name: "chat", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "verify_threshold", data_type: TYPE_FP32, dims: [ 1 ], optional: true }
 ]
 output [
   { name: "token_ids", data_type: TYPE_INT32, dims: [ -1 ] },
@@ -68,6 +69,7 @@ _DRAFTER_IO = """input [
 output [
   { name: "draft_ids", data_type: TYPE_INT64, dims: [ -1, -1 ] },
   { name: "draft_probs", data_type: TYPE_FP32, dims: [ -1, -1, -1 ] },
+  { name: "draft_confidence", data_type: TYPE_FP32, dims: [ -1, -1 ] },
   { name: "info", data_type: TYPE_STRING, dims: [ 1 ] }
 ]"""
 

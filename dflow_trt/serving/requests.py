@@ -37,6 +37,7 @@ class DecodeRequest:
     stop_words: list[str] = field(default_factory=list)
     block_size: int | None = None
     chat: bool = False
+    verify_threshold: float = 0.0  # verify only drafts the drafter is this sure of (0: the whole block)
 
 
 def _scalar(inputs: dict[str, np.ndarray], name: str, kind, default=None):
@@ -75,6 +76,9 @@ def parse_request(inputs: dict[str, np.ndarray], limits: Limits = Limits()) -> D
     if block != 0 and block < 2:
         raise RequestError(f"block_size must be at least 2 (anchor + one draft), or 0 for the drafter's own; got {block}")
     seed = _scalar(inputs, "seed", int, None)
+    verify_threshold = _scalar(inputs, "verify_threshold", float, 0.0)
+    if not 0.0 <= verify_threshold < 1.0:
+        raise RequestError(f"verify_threshold must be in [0, 1), got {verify_threshold}")
     stop = inputs.get("stop_words")
     stop_words = [s.decode("utf-8", "replace") if isinstance(s, (bytes, np.bytes_)) else str(s)
                   for s in (np.asarray(stop).reshape(-1) if stop is not None else [])]
@@ -82,7 +86,7 @@ def parse_request(inputs: dict[str, np.ndarray], limits: Limits = Limits()) -> D
                         temperature=_scalar(inputs, "temperature", float, 0.0),
                         top_p=_scalar(inputs, "top_p", float, 1.0), top_k=_scalar(inputs, "top_k", int, 0),
                         seed=seed, stop_words=[s for s in stop_words if s], block_size=block or None,
-                        chat=bool(_scalar(inputs, "chat", bool, False)))
+                        chat=bool(_scalar(inputs, "chat", bool, False)), verify_threshold=verify_threshold)
     from ..decoding.sampling import SamplingParams
 
     try:
