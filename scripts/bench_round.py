@@ -1,0 +1,97 @@
+"""What one speculative round costs against one `ar` step, by how many drafts are verified.
+
+    python scripts/bench_round.py [--target smollm2-135m] [--mode dflash] [--context 256]
+                                  [--repeats 7] [--json docs/bench_round.json]
+
+At a fixed context: the time of one `ar` step (verify 1 token), one drafter pass (the mode's
+shipped drafter, block as trained), and a verify of the anchor plus k drafts for k = 1..block-1.
+From these: the τ a round needs to match `ar` at each k ((draft + verify_k) / ar_step), and the
+marginal cost of one more draft in ar steps, which is the acceptance chance a draft needs to be
+worth verifying: the natural `--verify-threshold`. Prints a table and writes JSON. Not a test.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def _ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--mode", default="dflash", choices=["dflash", "dflow"])
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json", default="docs/bench_round.json")
+    a = ap.parse_args(argv)
+    import torch
+
+    from dflow_trt.decoding.sampling import SamplingParams
+    from dflow_trt.drafter.defaults import load_target_and_drafter
+    from dflow_trt.drafter.runtime import TorchDrafter
+    from dflow_trt.errors import UserError
+
+    try:
+        target, model = load_target_and_drafter(a.target, None, a.mode)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    drafter = TorchDrafter(model)
+    S, P = drafter.block_size, a.context
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.info.vocab_size, (1, P), generator=g)
+    block = torch.randint(0, target.info.vocab_size, (1, S), generator=g)
+    cache, out = target.prefill(ids, torch.tensor([P]))
+
+    def verify(k: int) -> None:
+        target.verify(cache, block[:, : k + 1])
+        target.commit(cache, torch.tensor([1]))  # a fully rejected round: the cache stays at P + 1
+
+    with torch.inference_mode():
+        state = drafter.new_state(1)
+        drafter.draft(state, out.taps, torch.tensor([P]), block[:, 0], torch.tensor([P]), None, SamplingParams())
+
+        def draft() -> None:  # context cached; one more committed position per round, as in decoding
+            drafter.draft(state, out.taps[:, -1:], torch.tensor([1]), block[:, 0], state.lens + 1, None,
+                          SamplingParams())
+
+        ar_ms, draft_ms = _ms(lambda: verify(0), a.repeats), _ms(draft, a.repeats)
+        verify_ms = {k: _ms(lambda k=k: verify(k), a.repeats) for k in range(1, S)}
+    rows = [{"drafts": k, "verify_ms": v, "break_even_tau": (draft_ms + v) / ar_ms} for k, v in verify_ms.items()]
+    marginal = (verify_ms[S - 1] - verify_ms[1]) / max(1, S - 2) / ar_ms
+    report = {"target": a.target, "mode": a.mode, "drafter": model.config.extra.get("name", "untrained"),
+              "context": P, "threads": torch.get_num_threads(), "repeats": a.repeats, "ar_step_ms": ar_ms,
+              "draft_ms": draft_ms, "rows": rows, "marginal_draft_cost_in_ar_steps": marginal}
+    print(f"{a.target}, context {P}, {torch.get_num_threads()} threads: ar step {ar_ms:.1f} ms, "
+          f"drafter pass {draft_ms:.1f} ms (block {S})")
+    print(f"{'drafts':>6} {'verify ms':>10} {'round ms':>9} {'break-even τ':>13}")
+    for r in rows:
+        print(f"{r['drafts']:>6} {r['verify_ms']:>10.1f} {draft_ms + r['verify_ms']:>9.1f} {r['break_even_tau']:>13.2f}")
+    print(f"one more draft costs {marginal:.3f} ar steps: verify a draft when its acceptance chance exceeds that "
+          f"(--verify-threshold {marginal:.2f})")
+    out_path = Path(a.json)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, out_path)
+    print(f"wrote {out_path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
