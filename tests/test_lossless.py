@@ -125,3 +125,20 @@ def test_verify_length_rule():
     assert verify_lengths(conf, 0.85).tolist() == [1, 1]
     assert verify_lengths(conf, 0.95).tolist() == [1, 1]  # at least one draft
     assert verify_lengths(conf, 0.3).tolist() == [4, 1]
+
+
+@pytest.mark.slow
+def test_smollm2_shipped_drafters_lossless(smollm2):
+    """The trained drafters (real acceptances, flow from real rejections), full and shortened verify."""
+    from dflow_trt.drafter.defaults import load_target_and_drafter
+
+    prompts = _prompts(smollm2, 3)
+    ar = [generate(smollm2, None, [p], "ar", 32, stop_token_ids=()).token_ids[0] for p in prompts]
+    for mode in ("dflash", "dflow"):
+        target, model = load_target_and_drafter("smollm2-135m", None, mode, target=smollm2)
+        for S in (4, 16):
+            for threshold in (0.0, 0.05):
+                res = generate(target, TorchDrafter(model, S), prompts, mode, 32, stop_token_ids=(),
+                               verify_threshold=threshold)
+                assert res.token_ids == ar, (mode, S, threshold)
+                assert res.tau > 1.0  # some drafts were accepted
