@@ -68,13 +68,13 @@ def test_bench_reports_every_mode(tmp_path):
     assert len(rep["modes"]["dflow"]["acceptance_by_position"]) == 3
     assert rep["modes"]["dflow"]["drafts_verified_per_round"] == 3 and rep["modes"]["ar"]["drafts_verified_per_round"] == 0
     assert out.with_suffix(".png").stat().st_size > 0
-    # a verify threshold keeps the tokens and sends fewer drafts (an untrained drafter is unsure of all)
+    # a verify threshold keeps the tokens and sends fewer drafts
     r = _cli("bench", "--target", "tiny-qwen3", "--dataset", str(prompts), "--num-prompts", "2", "--modes", "dflow",
              "--max-new-tokens", "12", "--block-size", "4", "--verify-threshold", "0.5", "--json-out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     rep = json.loads(out.read_text())
     assert rep["verify_threshold"] == 0.5 and rep["modes"]["dflow"]["matches_ar"] is True
-    assert rep["modes"]["dflow"]["drafts_verified_per_round"] == 1
+    assert 1 <= rep["modes"]["dflow"]["drafts_verified_per_round"] < 3
 
 
 def test_bench_bad_dataset():

@@ -80,8 +80,8 @@ def test_verify_threshold_over_triton_keeps_the_tokens(tiny_server, tiny_referen
         got = generate_grpc(tiny_server.grpc_url, model, prompt=PROMPTS[0], mode=mode, max_tokens=24, block_size=4,
                             verify_threshold=0.5)
         assert got.token_ids == tiny_reference(PROMPTS[0], mode, 24, 4), (model, mode)
-        # the untrained drafter is sure of nothing: one draft per round instead of three
-        assert got.stats["verified_drafts"] == got.stats["rounds"], got.stats
+        # fewer drafts than the three per round a full verify sends, at least one
+        assert got.stats["rounds"] <= got.stats["verified_drafts"] < 3 * got.stats["rounds"], got.stats
 
 
 def test_streaming_delivers_rounds(tiny_server):
