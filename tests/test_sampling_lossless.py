@@ -68,7 +68,8 @@ class CloseDrafter:
         draft_ids = torch.stack(ids, 1)  # [B, S-1]
         state["drafts"], state["pos"] = draft_ids.tolist(), anchor_pos.clone()
         q = torch.stack(probs, 1)  # [B, S-1, V]
-        return Proposal(draft_ids=draft_ids, draft_probs=q, confidence=q.gather(-1, draft_ids[..., None])[..., 0])
+        # top probability per position: it may depend on earlier drafts, never on the draft itself
+        return Proposal(draft_ids=draft_ids, draft_probs=q, confidence=q.amax(-1))
 
 
 def _samples(target, drafter, mode, params, block, verify_threshold=0.0):
@@ -137,4 +138,21 @@ def test_the_test_can_fail(small_target):
     a, _ = _samples(small_target, None, "ar", SamplingParams(1.0, 0.95, 12, seed=1), 1)
     b, _ = _samples(small_target, None, "ar", SamplingParams(1.6, 0.95, 12, seed=2), 1)
     _, p, _, _ = chi2_contingency(list(zip(*_table(a, b))))
+    assert p < 1e-3
+
+
+def test_the_test_catches_a_verify_length_chosen_from_the_sampled_drafts(small_target):
+    """Deciding how many drafts to verify from the sampled tokens' own probabilities skews the
+    proposal distribution (measured p ~ 1e-8); the loop must be given a per-position confidence."""
+
+    class SampleConfident(CloseDrafter):
+        def draft(self, *args):
+            prop = super().draft(*args)
+            conf = prop.draft_probs.gather(-1, prop.draft_ids[..., None])[..., 0]
+            return Proposal(prop.draft_ids, prop.draft_probs, confidence=conf)
+
+    ar, _ = _samples(small_target, None, "ar", SamplingParams(1.0, 0.95, 12, seed=13), 1)
+    spec, _ = _samples(small_target, SampleConfident(small_target.model, 4, True), "dflow",
+                       SamplingParams(1.0, 0.95, 12, seed=17), 4, verify_threshold=0.05)
+    _, p, _, _ = chi2_contingency(list(zip(*_table(ar, spec))))
     assert p < 1e-3

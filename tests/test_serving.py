@@ -78,9 +78,9 @@ def test_verify_threshold_over_triton_keeps_the_tokens(tiny_server, tiny_referen
     """Shortened verification (the drafter model returns its confidences in the BLS layout)."""
     for mode in ("dflash", "dflow"):
         got = generate_grpc(tiny_server.grpc_url, model, prompt=PROMPTS[0], mode=mode, max_tokens=24, block_size=4,
-                            verify_threshold=0.5)
+                            verify_threshold=0.99)
         assert got.token_ids == tiny_reference(PROMPTS[0], mode, 24, 4), (model, mode)
-        # fewer drafts than the three per round a full verify sends, at least one
+        # the untrained drafter is sure (0.996 per draft, its mask token) but not 0.99-sure of three
         assert got.stats["rounds"] <= got.stats["verified_drafts"] < 3 * got.stats["rounds"], got.stats
 
 

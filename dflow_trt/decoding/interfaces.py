@@ -71,7 +71,8 @@ class FlowState:
 class Proposal:
     draft_ids: torch.Tensor  # [B, S-1] target vocabulary ids
     draft_probs: torch.Tensor | None  # [B, S-1, V] the distribution drafts were sampled from (None: greedy)
-    confidence: torch.Tensor | None = None  # [B, S-1] drafter's probability of each draft (None: unknown)
+    confidence: torch.Tensor | None = None  # [B, S-1] drafter's top probability per position, never a
+    # function of the sampled draft itself (see sampling.propose); None: unknown
 
 
 class Drafter(Protocol):

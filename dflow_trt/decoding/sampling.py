@@ -74,8 +74,10 @@ def propose(logits: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: int, pa
             generator: torch.Generator | None) -> Proposal:
     """Drafter logits over its draft vocabulary [B, S-1, Vd] -> a Proposal in target ids.
 
-    `confidence` is the drafter's probability of each proposed token (the verify-length policy
-    reads it); sampled drafts also carry their full distribution for rejection sampling.
+    `confidence` is the drafter's top probability at each position (the verify-length policy
+    reads it). It must not depend on which token was sampled: choosing how many drafts to verify
+    from the sampled tokens' own probabilities would skew the proposal distribution that rejection
+    sampling corrects for. Sampled drafts also carry their full distribution.
     """
     if params.greedy:
         conf, ids_d = logits.float().softmax(-1).max(-1)  # [B, S-1]
@@ -84,5 +86,4 @@ def propose(logits: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: int, pa
     ids_d = sample(probs_d, generator)
     probs = probs_d.new_zeros(*probs_d.shape[:-1], vocab_size)
     probs[..., draft_vocab] = probs_d
-    return Proposal(draft_ids=draft_vocab[ids_d], draft_probs=probs,
-                    confidence=probs_d.gather(-1, ids_d[..., None])[..., 0])
+    return Proposal(draft_ids=draft_vocab[ids_d], draft_probs=probs, confidence=probs_d.amax(-1))
