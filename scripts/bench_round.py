@@ -13,22 +13,11 @@ worth verifying: the natural `--verify-threshold`. Prints a table and writes JSO
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-
-def _ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
+from bench_verify import _time as _ms  # noqa: E402  (the median-of-repeats timer; scripts/ is on sys.path)
 
 
 def main(argv=None) -> int:
