@@ -16,6 +16,11 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
+def _add_verify_threshold(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verify-threshold", type=float, default=0.0,
+                   help="verify only drafts whose estimated acceptance chance is >= this (0: the whole block)")
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     from .decoding.loop import generate
     from .decoding.sampling import SamplingParams
@@ -153,8 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backend", default="torch", choices=["torch", "onnxruntime"],
                    help="onnxruntime runs the exported graphs (exported into --build-dir first if missing)")
     g.add_argument("--build-dir", default=None, help="build folder for --backend onnxruntime (default build/<target>)")
-    g.add_argument("--verify-threshold", type=float, default=0.0,
-                   help="verify only drafts whose estimated acceptance chance is >= this (0: the whole block)")
+    _add_verify_threshold(g)
     _add_sampling(g)
     g.set_defaults(func=cmd_generate)
 
@@ -162,8 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--target", default="smollm2-135m")
     d.add_argument("--max-new-tokens", type=int, default=48)
     d.add_argument("--num-prompts", type=int, default=3)
-    d.add_argument("--verify-threshold", type=float, default=0.0,
-                   help="verify only drafts whose estimated acceptance chance is >= this (0: the whole block)")
+    _add_verify_threshold(d)
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="tau, acceptance by position, tokens/s and speedup per mode and dataset")
@@ -179,8 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     b.add_argument("--json-out", default=None, help="write the report here (and a PNG plot beside it)")
     b.add_argument("--plot-out", default=None)
-    b.add_argument("--verify-threshold", type=float, default=0.0,
-                   help="verify only drafts whose estimated acceptance chance is >= this (0: the whole block)")
+    _add_verify_threshold(b)
     b.set_defaults(func=cmd_bench)
 
     c = sub.add_parser("client", help="decode through a running Triton server (gRPC streaming)")
@@ -196,8 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--stop", action="append", default=[], help="stop word (repeatable)")
     c.add_argument("--stream", action="store_true", help="print text as rounds commit it")
     c.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    c.add_argument("--verify-threshold", type=float, default=0.0,
-                   help="verify only drafts whose estimated acceptance chance is >= this (0: the whole block)")
+    _add_verify_threshold(c)
     _add_sampling(c)
     c.set_defaults(func=cmd_client)
 

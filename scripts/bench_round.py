@@ -49,7 +49,7 @@ def main(argv=None) -> int:
 
     def verify(k: int) -> None:
         target.verify(cache, block[:, : k + 1])
-        target.commit(cache, torch.tensor([1]))  # a fully rejected round: the cache stays at P + 1
+        target.commit(cache, torch.tensor([1]))  # a fully rejected round: one position is committed
 
     with torch.inference_mode():
         state = drafter.new_state(1)

@@ -55,7 +55,8 @@ def rejection_sample(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_
 
     at = num_accepted[:, None, None].expand(B, 1, V)
     target_at = target_probs.gather(1, at)[:, 0]  # [B, V]
-    padded_draft = torch.cat([draft_probs * proposed[..., None], draft_probs.new_zeros(B, 1, V)], 1)  # unproposed: no draft
+    # slots a row did not propose (and the bonus slot) carry no draft: the target itself is drawn there
+    padded_draft = torch.cat([draft_probs * proposed[..., None], draft_probs.new_zeros(B, 1, V)], 1)
     residual = (target_at - padded_draft.gather(1, at)[:, 0]).clamp(min=0)  # [B, V]
     mass = residual.sum(-1, keepdim=True)
     # Where rounding leaves no residual mass (target == draft), the target itself is the residual.

@@ -316,8 +316,8 @@ class DecodingEngine:
         reason = "cancelled" if sent["cancelled"] else (sent["stopped"] or res.finish_reasons[0])
         acc = res.acceptance_lengths[0]
         stats = {"mode": req.mode, "num_tokens": len(tokens), "tau": res.tau, "acceptance_lengths": acc,
-                 "rounds": res.rounds, "verified_drafts": res.verified_drafts, "finish_reason": reason, "prefill_s": res.prefill_s,
-                 "draft_s": res.draft_s, "verify_s": res.verify_s, "total_s": res.total_s,
+                 "rounds": res.rounds, "verified_drafts": res.verified_drafts, "finish_reason": reason,
+                 "prefill_s": res.prefill_s, "draft_s": res.draft_s, "verify_s": res.verify_s, "total_s": res.total_s,
                  "tokens_per_s": len(tokens) / res.total_s if res.total_s > 0 else 0.0,
                  "block_size": drafter.block_size if drafter else loaded.block_size, "prompt_tokens": len(prompt_ids),
                  "active_requests": self.active_requests, "backend": self.cfg.backend,
