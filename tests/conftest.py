@@ -7,6 +7,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Where the shared target fixtures live: cpu here and in CI; `DFLOW_TRT_TEST_DEVICE=cuda` on a GPU host.
+TEST_DEVICE = os.environ.get("DFLOW_TRT_TEST_DEVICE", "cpu")
 
 PROMPTS_TEXT = [
     "Write a Python function that checks whether a number is prime.",
@@ -59,21 +61,21 @@ class OracleDrafter:
 def tiny_qwen3():
     from dflow_trt.targets import load_target
 
-    return load_target("tiny-qwen3", num_taps=3)
+    return load_target("tiny-qwen3", num_taps=3, device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama():
     from dflow_trt.targets import load_target
 
-    return load_target("tiny-llama", num_taps=2)
+    return load_target("tiny-llama", num_taps=2, device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")
 def smollm2():
     from dflow_trt.targets import load_target
 
-    return load_target("smollm2-135m", num_taps=3)
+    return load_target("smollm2-135m", num_taps=3, device=TEST_DEVICE)
 
 
 def chat_ids(target, text):

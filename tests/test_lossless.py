@@ -22,7 +22,7 @@ def _check_target(target, max_new, blocks=BLOCKS):
     ar_long = [generate(target, None, [p], "ar", max_new + 16, stop_token_ids=()).token_ids[0] for p in prompts]
     ar = [a[:max_new] for a in ar_long]
     # the ar path itself equals transformers' own greedy generate
-    ref = target.model.generate(torch.tensor([prompts[0]]), max_new_tokens=max_new, do_sample=False,
+    ref = target.model.generate(torch.tensor([prompts[0]], device=target.device), max_new_tokens=max_new, do_sample=False,
                                 eos_token_id=None, pad_token_id=0)
     assert ref[0, len(prompts[0]):].tolist() == ar[0]
     seqs = [p + a for p, a in zip(prompts, ar_long)]

@@ -6,6 +6,7 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
+from conftest import TEST_DEVICE
 from dflow_trt.decoding.interfaces import Proposal
 from dflow_trt.decoding.loop import generate
 from dflow_trt.decoding.sampling import SamplingParams
@@ -23,6 +24,7 @@ def small_target():
     model, _ = build_tiny("qwen3", seed=3, vocab_size=V)
     with torch.no_grad():  # sharpen the random head so the distribution is far from uniform
         model.lm_head.weight.mul_(1.5)
+    model = model.to(TEST_DEVICE)
     return HFTarget(model, name="tiny-qwen3-v16", tap_layers=(1, 3), tokenizer=None, eos_token_ids=())
 
 
@@ -42,13 +44,14 @@ class CloseDrafter:
 
     @torch.no_grad()
     def _next_probs(self, seqs):
-        L = torch.tensor([len(x) for x in seqs])
-        ids = torch.zeros(len(seqs), int(L.max()), dtype=torch.long)
+        dev = self.model.device
+        L = torch.tensor([len(x) for x in seqs], device=dev)
+        ids = torch.zeros(len(seqs), int(L.max()), dtype=torch.long, device=dev)
         for b, x in enumerate(seqs):
             ids[b, :len(x)] = torch.tensor(x)
-        mask = torch.arange(ids.shape[1])[None] < L[:, None]
+        mask = torch.arange(ids.shape[1], device=dev)[None] < L[:, None]
         logits = self.model(input_ids=ids, attention_mask=mask.long()).logits  # right padding: causal rows unaffected
-        return torch.softmax(logits[torch.arange(len(seqs)), L - 1].float() / self.t, -1)  # [B, V]
+        return torch.softmax(logits[torch.arange(len(seqs), device=dev), L - 1].float() / self.t, -1)  # [B, V]
 
     def draft(self, state, context_taps, context_lens, anchor_ids, anchor_pos, flow, sampler):
         seqs = state["seqs"]

@@ -93,12 +93,13 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
         raise UserError("this drafter was built without flow conditioning; use --mode dflash or a DFlow drafter")
     speculative = mode != "ar"
     stop = set(target.info.eos_token_ids if stop_token_ids is None else stop_token_ids)
-    gen = sampling.generator("cpu")
     t_start = time.perf_counter()
 
     B = len(prompts)
     ids, lens = _pad_left(prompts, pad_id=0)
     cache, out = target.prefill(ids, lens)
+    dev = out.logits.device  # the loop's small tensors live where the target's outputs do (CPU or GPU)
+    lens, gen = lens.to(dev), sampling.generator(dev)
     first = pick(out.logits[:, -1], sampling, gen)  # [B]
     prefill_s = time.perf_counter() - t_start
 
@@ -132,7 +133,7 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
         t1 = time.perf_counter()
         out = target.verify(cache, block)
         if not speculative:
-            num_acc, nxt = torch.zeros(B, dtype=torch.long), pick(out.logits[:, 0], sampling, gen)
+            num_acc, nxt = torch.zeros(B, dtype=torch.long, device=dev), pick(out.logits[:, 0], sampling, gen)
         elif sampling.greedy:
             num_acc, nxt = greedy_accept(block[:, 1:], out.logits, n_drafts)
         else:

@@ -211,10 +211,12 @@ def evaluate(obj: Objective, heldout: list[Sequence], cfg: TrainConfig) -> dict:
 def train(cfg: TrainConfig) -> Path:
     """Train (or resume) a drafter; returns the folder of the saved drafter."""
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    # One GPU per process (NCCL refuses two ranks on one GPU); with fewer GPUs than processes, CPU + gloo.
+    on_gpu = torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", 1)) <= torch.cuda.device_count()
     if distributed and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if on_gpu else "gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if on_gpu else "cpu"
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if device != "cpu":
