@@ -52,7 +52,8 @@ def build_tiny(kind: str, seed: int = 0, vocab_size: int | None = None):
         config.pad_token_id = None
     g = torch.get_rng_state()
     torch.manual_seed(seed)
-    model = cls(config).float().eval()
+    with torch.device("cpu"):  # CPU RNG: the same weights whatever the default device (CUDA's RNG differs)
+        model = cls(config).float().eval()
     torch.set_rng_state(g)
     tokenizer = byte_tokenizer() if vocab_size is None else None
     return model, tokenizer
