@@ -7,7 +7,8 @@ At a fixed context: the time of one `ar` step (verify 1 token), one drafter pass
 shipped drafter, block as trained), and a verify of the anchor plus k drafts for k = 1..block-1.
 From these: the τ a round needs to match `ar` at each k ((draft + verify_k) / ar_step), and the
 marginal cost of one more draft in ar steps, which is the acceptance chance a draft needs to be
-worth verifying: the natural `--verify-threshold`. Prints a table and writes JSON. Not a test.
+worth verifying: the natural `--verify-threshold`. Also the target's MLP up-projection alone by
+rows, to show how the CPU matrix multiply scales. Prints a table and writes JSON. Not a test.
 """
 
 import argparse
@@ -18,6 +19,18 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_verify import _time as _ms  # noqa: E402  (the median-of-repeats timer; scripts/ is on sys.path)
+
+
+def _linear_us(target, block: int, repeats: int) -> dict[int, float]:
+    """Median µs of the target's first MLP up-projection for 1, 2, 4, ..., block rows: how the
+    matrix multiply itself scales with the tokens in a call (the weights are read once either way)."""
+    import torch
+    import torch.nn.functional as F
+
+    w = target.model.model.layers[0].mlp.up_proj.weight  # [I, H]
+    rows = sorted({1, 2, 4, 8, block})
+    xs = {m: torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device) for m in rows}
+    return {m: _ms(lambda m=m: F.linear(xs[m], w), repeats) * 1e3 for m in rows}
 
 
 def main(argv=None) -> int:
@@ -61,16 +74,20 @@ def main(argv=None) -> int:
 
         ar_ms, draft_ms = _ms(lambda: verify(0), a.repeats), _ms(draft, a.repeats)
         verify_ms = {k: _ms(lambda k=k: verify(k), a.repeats) for k in range(1, S)}
+        linear_us = _linear_us(target, S, a.repeats * 20)
     rows = [{"drafts": k, "verify_ms": v, "break_even_tau": (draft_ms + v) / ar_ms} for k, v in verify_ms.items()]
     marginal = (verify_ms[S - 1] - verify_ms[1]) / max(1, S - 2) / ar_ms
     report = {"target": a.target, "mode": a.mode, "drafter": model.config.extra.get("name", "untrained"),
               "context": P, "threads": torch.get_num_threads(), "repeats": a.repeats, "ar_step_ms": ar_ms,
-              "draft_ms": draft_ms, "rows": rows, "marginal_draft_cost_in_ar_steps": marginal}
+              "draft_ms": draft_ms, "rows": rows, "marginal_draft_cost_in_ar_steps": marginal,
+              "mlp_up_linear_us_by_rows": linear_us}
     print(f"{a.target}, context {P}, {torch.get_num_threads()} threads: ar step {ar_ms:.1f} ms, "
           f"drafter pass {draft_ms:.1f} ms (block {S})")
     print(f"{'drafts':>6} {'verify ms':>10} {'round ms':>9} {'break-even τ':>13}")
     for r in rows:
         print(f"{r['drafts']:>6} {r['verify_ms']:>10.1f} {draft_ms + r['verify_ms']:>9.1f} {r['break_even_tau']:>13.2f}")
+    print("the target's MLP up-projection alone, µs by rows (tokens): "
+          + ", ".join(f"{m}: {us:.0f}" for m, us in linear_us.items()))
     print(f"one more draft costs {marginal:.3f} ar steps: verify a draft when its acceptance chance exceeds that "
           f"(--verify-threshold {marginal:.2f})")
     out_path = Path(a.json)
