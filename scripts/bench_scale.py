@@ -13,12 +13,12 @@ own cost per round, host syncs included. Prints a table and writes JSON. Not a t
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_verify import _time  # noqa: E402  (scripts/ is on sys.path)
 
 # Target shapes from the public Qwen3 configs; drafter as DFlash's Qwen3-8B drafter (5 layers, 5 taps).
 PRESETS = {
@@ -38,25 +38,16 @@ PRESETS = {
 TAUS = (2.0, 3.0, 4.0, 5.0, 6.6)  # 6.6: DFlash's published HumanEval τ on Qwen3-8B (block 16)
 
 
-def _timer(device):
+def _sync(device):
+    """A function that waits for `device` to finish its queued work (nothing to wait for on a CPU)."""
     import torch
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
-    def ms(fn, repeats: int) -> float:
-        fn()  # warm-up
-        sync()
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts) * 1e3
 
-    return ms
+def _timer(sync):
+    """bench_verify's median-of-repeats timer, each call waited for on the device."""
+    return lambda fn, repeats: _time(lambda: (fn(), sync()), repeats)
 
 
 def build(preset: str, device: str, dtype: str, block: int, seed: int = 0):
@@ -166,7 +157,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     dev = torch.device(a.device)
-    ms = _timer(dev)
+    sync = _sync(dev)
+    ms = _timer(sync)
     t0 = time.perf_counter()
     target, drafter = build(a.preset, a.device, a.dtype, a.block)
     build_s = time.perf_counter() - t0
@@ -176,7 +168,6 @@ def main(argv=None) -> int:
     print(f"{a.preset} random init, {a.dtype}, {card}: target {n_target / 1e6:.0f}M params, "
           f"drafter {n_drafter / 1e6:.0f}M trainable, built in {build_s:.0f} s")
     rows = [bench_context(target, drafter, int(P), a.batch, a.repeats, ms) for P in a.contexts.split(",")]
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     gen = bench_generate(target, drafter, int(a.contexts.split(",")[0]), a.generate_tokens, sync) \
         if a.generate_tokens else None
 

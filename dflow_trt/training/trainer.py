@@ -217,13 +217,13 @@ def train(cfg: TrainConfig) -> Path:
         dist.init_process_group("nccl" if on_gpu else "gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if on_gpu else "cpu"
-    if on_gpu:  # bitwise-reproducible steps, so a resumed run equals an uninterrupted one (as on CPU)
+    if on_gpu:
+        # bitwise-reproducible steps, so a resumed run equals an uninterrupted one (as on CPU)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: before any GPU work
         torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.set_default_device(device)  # the objective's index tensors live next to the target
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    if device != "cpu":
-        torch.set_default_device(device)  # the objective's index tensors live next to the target
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt_path = out / "checkpoint.pt"
