@@ -254,3 +254,45 @@ def test_cached_target_states_train_like_the_live_target(data_dir, tmp_path):
     _error(r, "states of another target", "cache-states --target tiny-qwen3")
     r = _cli("cache-states", "--target", "tiny-qwen3", "--data-dir", str(data), "--max-len", "400")
     _error(r, "other settings", "delete it")
+
+
+def test_data_set_grows_and_a_run_resumes_on_it(tiny_qwen3, tmp_path):
+    from dflow_trt.errors import UserError
+    from dflow_trt.training.states import StateCache, build_states
+
+    data, out = tmp_path / "data", tmp_path / "run"
+    kw = dict(max_new_tokens=24, batch_size=8, shard_size=16, heldout_every=8)
+    generate_dataset(tiny_qwen3, data, num_prompts=20, **kw)  # shard 0 full, shard 1 holds 4
+    build_states(tiny_qwen3, data, max_len=400)
+    args = [*TRAIN, "--data-dir", str(data), "--out-dir", str(out), "--objective", "dflash", "--eval-every", "2",
+            "--ckpt-every", "2"]
+    assert _cli("train", *args, "--steps", "4").returncode == 0
+    vocab = torch.load(out / "checkpoint.pt", weights_only=False)["drafter"]["draft_vocab"]
+    shard = lambda i: [json.loads(x) for x in (data / f"shard-{i:04d}.jsonl").read_text().splitlines()]  # noqa: E731
+    short = shard(1)
+    mtimes = {p.name: p.stat().st_mtime_ns for p in [data / "shard-0000.jsonl", data / "states/shard-0000.safetensors"]}
+
+    generate_dataset(tiny_qwen3, data, num_prompts=40, **kw)
+    assert json.loads((data / "manifest.json").read_text())["num_prompts"] == 40
+    assert [len(shard(i)) for i in range(3)] == [16, 16, 8] and [s["id"] for s in shard(1)] == list(range(16, 32))
+    assert shard(1)[:4] == short  # the same prompts in the same order: the same responses
+    s = shard(2)[5]
+    assert generate(tiny_qwen3, None, [s["prompt_ids"]], "ar", 24).token_ids[0] == s["response_ids"]
+    build_states(tiny_qwen3, data, max_len=400)  # rebuilds the regenerated shard's states, keeps shard 0's
+    assert mtimes == {p.name: p.stat().st_mtime_ns for p in [data / "shard-0000.jsonl",
+                                                             data / "states/shard-0000.safetensors"]}
+    assert StateCache(data, tiny_qwen3, need_kv=False).covers(list(range(40)))
+
+    r = _cli("train", *args, "--steps", "8")  # resumes on the grown data, keeping its draft vocabulary
+    assert r.returncode == 0 and "resumed from step 4" in r.stdout and "cached in" in r.stdout, r.stderr[-2000:]
+    log = _log(out)
+    n = [x["train_seqs"] for x in log if "train_seqs" in x]  # at steps 2, 4 (20 prompts) and 6, 8 (40 prompts)
+    assert n[0] == n[1] <= 17 and n[2] == n[3] > n[1] + 10  # ids % 8 == 0 are held out
+    assert torch.equal(load_file(out / "drafter" / "model.safetensors")["draft_vocab"], vocab)
+
+    # a shard made from other prompts (another prompt-set version) is refused, not mixed in
+    rows = shard(0)
+    rows[0]["prompt_ids"] = rows[0]["prompt_ids"][:-1]
+    (data / "shard-0000.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    with pytest.raises(UserError, match="other prompts"):
+        generate_dataset(tiny_qwen3, data, num_prompts=48, **kw)

@@ -6,7 +6,9 @@ Format of `<data_dir>/`:
   so that any complete prefix of shards has its share).
 - `shard-XXXX.jsonl`: one JSON object per sequence: {"id", "source", "prompt_ids", "response_ids"}
   (token ids of the chat-templated prompt and of the target's greedy response).
-Generation is resumable: shards already written (complete, renamed into place) are skipped.
+Generation is resumable: shards already written (complete, renamed into place) are skipped. A data
+set can grow: rerun with a larger `--num-prompts` (the prompt order is prefix-stable); complete
+shards are kept, a short last shard is regenerated whole.
 """
 
 from __future__ import annotations
@@ -54,18 +56,21 @@ def generate_dataset(target: HFTarget, out_dir: Path, num_prompts: int, max_new_
     if manifest_path.exists():
         old = json.loads(manifest_path.read_text())
         old.setdefault("tokenizer_fingerprint", settings["tokenizer_fingerprint"])  # caches made before it was recorded
-        if {k: old.get(k) for k in settings} != settings:
+        fixed = [k for k in settings if k != "num_prompts"]  # the count may grow or shrink: the order is prefix-stable
+        if {k: old.get(k) for k in fixed} != {k: settings[k] for k in fixed}:
             raise UserError(f"{out_dir} holds data made with other settings ({old.get('target')}, "
-                            f"{old.get('num_prompts')} prompts); use another --data-dir or delete it")
+                            f"{old.get('max_new_tokens')} new tokens, seed {old.get('seed')}); use another "
+                            f"--data-dir or delete it")
     n_shards = (len(prompts) + shard_size - 1) // shard_size
     shards = [f"shard-{i:04d}.jsonl" for i in range(n_shards)]
+    chunks = [prompts[i * shard_size:(i + 1) * shard_size] for i in range(n_shards)]
+    todo = [i for i in range(n_shards) if not _shard_done(out_dir / shards[i], chunks[i], target.tokenizer)]
     manifest = {**settings, "shards": shards, "heldout_every": heldout_every,
                 "sources": sorted({p["source"] for p in prompts})}
     _atomic_write(manifest_path, json.dumps(manifest, indent=1))
-    todo = [i for i in range(n_shards) if not (out_dir / shards[i]).exists()]
-    bar = tqdm(total=len(prompts), initial=(n_shards - len(todo)) * shard_size, desc="generating", unit="seq")
+    bar = tqdm(total=len(prompts), initial=len(prompts) - sum(len(chunks[i]) for i in todo), desc="generating", unit="seq")
     for i in todo:
-        chunk = prompts[i * shard_size:(i + 1) * shard_size]
+        chunk = chunks[i]
         lines = []
         for j in range(0, len(chunk), batch_size):
             batch = chunk[j:j + batch_size]
@@ -77,6 +82,18 @@ def generate_dataset(target: HFTarget, out_dir: Path, num_prompts: int, max_new_
         _atomic_write(out_dir / shards[i], "\n".join(lines) + "\n")
     bar.close()
     return out_dir
+
+
+def _shard_done(path: Path, chunk: list[dict], tokenizer) -> bool:
+    """Whether `path` holds exactly `chunk`'s responses; a shard of other prompts is refused."""
+    if not path.exists():
+        return False
+    lines = path.read_text().splitlines()
+    first = json.loads(lines[0]) if lines else {}
+    if first.get("id") != chunk[0]["id"] or first.get("prompt_ids") != _chat(tokenizer, chunk[0]["prompt"]):
+        raise UserError(f"{path} was generated from other prompts than this version's prompt set (another "
+                        f"dflow_trt or Python version?); use another --data-dir or delete the data set")
+    return len(lines) == len(chunk)  # a short last shard of a smaller data set is regenerated whole
 
 
 def _atomic_write(path: Path, text: str) -> None:

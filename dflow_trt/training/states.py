@@ -6,7 +6,8 @@ Format of `<data_dir>/states/`:
   states, concatenated) and, with K/V, `kv.<id>` [layers, 2, Hkv, T, D] (the target's K/V cache,
   which DFlow's verifier pass attends to), T = min(len, max_len). Stored in bf16: half the disk and
   page cache, and the drafter reads its inputs in bf16 anyway.
-Building is resumable per shard (each is written to a temp name, then renamed).
+Building is resumable per shard (each is written to a temp name, then renamed); a states file whose
+sequences are not its data shard's (the data set grew and that shard was regenerated) is rebuilt.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def build_states(target: HFTarget, data_dir: Path, max_len: int, kv: bool = True
     by_shard: dict[str, list] = {}
     for s in train + heldout:
         by_shard.setdefault(s.shard, []).append(s)
-    todo = [s for s in shards if s in by_shard and not (out / _states_file(s)).exists()]
+    todo = [s for s in shards if s in by_shard and _stored_ids(out / _states_file(s)) != {q.id for q in by_shard[s]}]
     bar = tqdm(total=sum(len(by_shard[s]) for s in todo), desc="target states", unit="seq")
     for shard in todo:
         tensors = {}
@@ -138,6 +139,14 @@ def _manifest(path: Path, target: HFTarget) -> dict:
         raise UserError(f"{path.parent} holds states of another target; delete it and rebuild with "
                         f"`dflow-trt cache-states --target {target.info.name}`")
     return m
+
+
+def _stored_ids(path: Path) -> set[int]:
+    """Sequence ids whose states `path` holds (empty when there is no such file)."""
+    if not path.exists():
+        return set()
+    with safe_open(str(path), framework="pt") as f:
+        return {int(k.split(".")[1]) for k in f.keys() if k.startswith("taps.")}
 
 
 def _states_file(data_shard: str) -> str:

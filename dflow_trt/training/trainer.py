@@ -122,6 +122,13 @@ def _draft_vocab(train: list[Sequence], size: int | None, vocab: int, always: tu
     return torch.tensor(sorted(ids + rest[: size - len(ids)]))
 
 
+def _to_draft(drafter: DFlowDrafter, vocab: int) -> torch.Tensor:
+    """Target token id -> draft-vocabulary index (-100, ignored by the loss, outside it)."""
+    to_draft = torch.full((vocab,), -100, dtype=torch.long, device=drafter.draft_vocab.device)
+    to_draft[drafter.draft_vocab] = torch.arange(drafter.draft_vocab.numel(), device=to_draft.device)
+    return to_draft
+
+
 def _state_cache(cfg: TrainConfig, target: HFTarget, seqs: list[Sequence], rank: int) -> StateCache | None:
     """The data's cached target states when they serve this run, else None (the target runs each step)."""
     if cfg.states == "off":
@@ -241,9 +248,8 @@ def train(cfg: TrainConfig) -> Path:
     drafter = build_drafter(probe, dcfg, seed=cfg.seed)
     vocab = _draft_vocab(train_seqs, cfg.draft_vocab_size, probe.info.vocab_size, probe.info.eos_token_ids)
     drafter.draft_vocab.copy_(vocab)
-    to_draft = torch.full((probe.info.vocab_size,), -100, dtype=torch.long)
-    to_draft[drafter.draft_vocab] = torch.arange(drafter.draft_vocab.numel())
-    obj = Objective(drafter, probe, cfg, to_draft, _state_cache(cfg, probe, train_seqs + heldout, rank)).to(device)
+    obj = Objective(drafter, probe, cfg, _to_draft(drafter, probe.info.vocab_size),
+                    _state_cache(cfg, probe, train_seqs + heldout, rank)).to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     step, log = 0, []
@@ -254,7 +260,8 @@ def train(cfg: TrainConfig) -> Path:
         if _run_identity(ck["config"]) != _run_identity(asdict(cfg)) or ck.get("world") != world:
             raise UserError(f"{ckpt_path} was written by a run with another config or process count; "
                             f"use another --out-dir or the same settings")
-        drafter.load_state_dict(ck["drafter"])
+        drafter.load_state_dict(ck["drafter"])  # its draft vocabulary too: kept when the data set has grown since
+        obj.to_draft.copy_(_to_draft(drafter, probe.info.vocab_size))
         opt.load_state_dict(ck["optimizer"])
         step, log = ck["step"], ck["log"]
         rng.setstate(ck["rng"][rank])
@@ -280,7 +287,7 @@ def train(cfg: TrainConfig) -> Path:
         if second is not None:
             rec["train_tau_flow"] = 1 + second.accepted.float().mean().item()
         if rank == 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
-            rec.update({f"eval_{k}": v for k, v in evaluate(obj, heldout, cfg).items()})
+            rec.update({f"eval_{k}": v for k, v in evaluate(obj, heldout, cfg).items()}, train_seqs=len(train_seqs))
             bar.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()}))
         log.append(rec)
         bar.update(1)
