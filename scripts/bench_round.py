@@ -4,11 +4,12 @@
                                   [--repeats 7] [--json docs/bench_round.json]
 
 At a fixed context: the time of one `ar` step (verify 1 token), one drafter pass (the mode's
-shipped drafter, block as trained), and a verify of the anchor plus k drafts for k = 1..block-1.
+shipped drafter, block as trained; with a full block of verifier flow for DFlow), and a verify of the anchor plus k drafts for k = 1..block-1.
 From these: the τ a round needs to match `ar` at each k ((draft + verify_k) / ar_step), and the
 marginal cost of one more draft in ar steps, which is the acceptance chance a draft needs to be
 worth verifying: the natural `--verify-threshold`. Also the target's MLP up-projection alone by
-rows, to show how the CPU matrix multiply scales. Prints a table and writes JSON. Not a test.
+rows, to show how the CPU matrix multiply scales. Prints a table and writes JSON. Not a test. (The timing is `bench_scale.bench_context`'s, at batch 1
+with every k, on the real target.)
 """
 
 import argparse
@@ -18,7 +19,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_verify import _time as _ms  # noqa: E402  (the median-of-repeats timer; scripts/ is on sys.path)
+from bench_scale import bench_context  # noqa: E402  (scripts/ is on sys.path)
+from bench_verify import _time as _ms  # noqa: E402  (the median-of-repeats timer)
 
 
 def _linear_us(target, block: int, repeats: int) -> dict[int, float]:
@@ -43,7 +45,6 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import torch
 
-    from dflow_trt.decoding.sampling import SamplingParams
     from dflow_trt.drafter.defaults import load_target_and_drafter
     from dflow_trt.drafter.runtime import TorchDrafter
     from dflow_trt.errors import UserError
@@ -55,26 +56,12 @@ def main(argv=None) -> int:
         return 2
     drafter = TorchDrafter(model)
     S, P = drafter.block_size, a.context
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, target.info.vocab_size, (1, P), generator=g)
-    block = torch.randint(0, target.info.vocab_size, (1, S), generator=g)
-    cache, out = target.prefill(ids, torch.tensor([P]))
-
-    def verify(k: int) -> None:
-        target.verify(cache, block[:, : k + 1])
-        target.commit(cache, torch.tensor([1]))  # a fully rejected round: one position is committed
-
     with torch.inference_mode():
-        state = drafter.new_state(1)
-        drafter.draft(state, out.taps, torch.tensor([P]), block[:, 0], torch.tensor([P]), None, SamplingParams())
-
-        def draft() -> None:  # context cached; one more committed position per round, as in decoding
-            drafter.draft(state, out.taps[:, -1:], torch.tensor([1]), block[:, 0], state.lens + 1, None,
-                          SamplingParams())
-
-        ar_ms, draft_ms = _ms(lambda: verify(0), a.repeats), _ms(draft, a.repeats)
-        verify_ms = {k: _ms(lambda k=k: verify(k), a.repeats) for k in range(1, S)}
+        r = bench_context(target, drafter, P, 1, a.repeats, _ms, ks=range(1, S))
         linear_us = _linear_us(target, S, a.repeats * 20)
+    # the pass the mode runs in decoding: with the verifier's flow for a DFlow drafter
+    ar_ms, draft_ms = r["ar_step_ms"], r["draft_ms_dflow"] or r["draft_ms_dflash"]
+    verify_ms = {int(k): v for k, v in r["verify_ms"].items()}
     rows = [{"drafts": k, "verify_ms": v, "break_even_tau": (draft_ms + v) / ar_ms} for k, v in verify_ms.items()]
     marginal = (verify_ms[S - 1] - verify_ms[1]) / max(1, S - 2) / ar_ms
     report = {"target": a.target, "mode": a.mode, "drafter": model.config.extra.get("name", "untrained"),

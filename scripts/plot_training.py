@@ -30,6 +30,19 @@ def main() -> int:
         if any("eval_tau_flow" in r for r in ev):
             ax.plot([r["step"] for r in ev], [r["eval_tau_flow"] for r in ev], marker="s",
                     label=f"{d.name}: with verifier flow")
+    marked = set()
+    for d in a.drafters:  # where a run went on with a grown data set (logs record train_seqs since)
+        ev = [r for r in (json.loads(x) for x in (d / "train_log.jsonl").read_text().splitlines() if x.strip())
+              if "eval_tau_noflow" in r]
+        prev = None
+        for r in ev:
+            n = r.get("train_seqs")
+            if n is not None and n != prev and (n, r["step"]) not in marked:
+                marked.add((n, r["step"]))
+                ax.axvline(r["step"], color="grey", ls="--", lw=0.8)
+                ax.annotate(f"{n} train seqs", (r["step"], 1.0), xycoords=("data", "axes fraction"), rotation=90,
+                            va="top", ha="right", fontsize=8, color="grey")
+            prev = n if n is not None else prev
     ax.set_xlabel("training step")
     ax.set_ylabel("held-out τ (teacher-forced, block 16)")
     ax.legend()
