@@ -296,3 +296,17 @@ def test_data_set_grows_and_a_run_resumes_on_it(tiny_qwen3, tmp_path):
     (data / "shard-0000.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
     with pytest.raises(UserError, match="other prompts"):
         generate_dataset(tiny_qwen3, data, num_prompts=48, **kw)
+
+
+def test_prompt_set_is_prefix_stable_varied_and_holds_out_the_eval_sets():
+    from dflow_trt.evalsets import humaneval_prompts, mtbench_prompts
+    from dflow_trt.training.prompts import _shingles, build_prompts
+
+    full = build_prompts(10**6)
+    assert len(full) > 3000 and build_prompts(100) == full[:100] and build_prompts(2000) == full[:2000]
+    assert [p["id"] for p in full] == list(range(len(full)))
+    assert len({p["prompt"] for p in full}) == len(full)  # deduplicated
+    kinds = {p["source"] for p in full[1000:3000]}  # the second pool mixes every kind of request
+    assert {"code-def", "code", "explain", "writing", "roleplay", "reasoning", "extraction", "math"} <= kinds
+    held = set().union(*(_shingles(p) for p in humaneval_prompts() + mtbench_prompts()))
+    assert not any(_shingles(p["prompt"]) & held for p in full)
