@@ -258,7 +258,9 @@ def test_cached_target_states_train_like_the_live_target(data_dir, tmp_path):
 
 def test_data_set_grows_and_a_run_resumes_on_it(tiny_qwen3, tmp_path):
     from dflow_trt.errors import UserError
+    from dflow_trt.training.data import load_dataset
     from dflow_trt.training.states import StateCache, build_states
+    from dflow_trt.training.trainer import _draft_vocab
 
     data, out = tmp_path / "data", tmp_path / "run"
     kw = dict(max_new_tokens=24, batch_size=8, shard_size=16, heldout_every=8)
@@ -273,6 +275,7 @@ def test_data_set_grows_and_a_run_resumes_on_it(tiny_qwen3, tmp_path):
     mtimes = {p.name: p.stat().st_mtime_ns for p in [data / "shard-0000.jsonl", data / "states/shard-0000.safetensors"]}
 
     generate_dataset(tiny_qwen3, data, num_prompts=40, **kw)
+    assert not StateCache(data, tiny_qwen3, need_kv=False).covers([16])  # shard 1's states predate its regeneration
     assert json.loads((data / "manifest.json").read_text())["num_prompts"] == 40
     assert [len(shard(i)) for i in range(3)] == [16, 16, 8] and [s["id"] for s in shard(1)] == list(range(16, 32))
     assert shard(1)[:4] == short  # the same prompts in the same order: the same responses
@@ -283,6 +286,8 @@ def test_data_set_grows_and_a_run_resumes_on_it(tiny_qwen3, tmp_path):
                                                              data / "states/shard-0000.safetensors"]}
     assert StateCache(data, tiny_qwen3, need_kv=False).covers(list(range(40)))
 
+    grown = _draft_vocab(load_dataset(data, tiny_qwen3)[0], 64, tiny_qwen3.info.vocab_size, tiny_qwen3.info.eos_token_ids)
+    assert not torch.equal(grown, vocab)  # the grown data alone would choose another draft vocabulary
     r = _cli("train", *args, "--steps", "8")  # resumes on the grown data, keeping its draft vocabulary
     assert r.returncode == 0 and "resumed from step 4" in r.stdout and "cached in" in r.stdout, r.stderr[-2000:]
     log = _log(out)
@@ -290,6 +295,10 @@ def test_data_set_grows_and_a_run_resumes_on_it(tiny_qwen3, tmp_path):
     assert n[0] == n[1] <= 17 and n[2] == n[3] > n[1] + 10  # ids % 8 == 0 are held out
     assert torch.equal(load_file(out / "drafter" / "model.safetensors")["draft_vocab"], vocab)
 
+    with pytest.raises(UserError, match="would drop some"):  # never shrinks
+        generate_dataset(tiny_qwen3, data, num_prompts=30, **kw)
+    with pytest.raises(UserError, match="heldout_every: 8 vs 4"):
+        generate_dataset(tiny_qwen3, data, num_prompts=40, **{**kw, "heldout_every": 4})
     # a shard made from other prompts (another prompt-set version) is refused, not mixed in
     rows = shard(0)
     rows[0]["prompt_ids"] = rows[0]["prompt_ids"][:-1]

@@ -39,7 +39,8 @@ from . import manifest as mf
 
 STAGES_DIR = ".stages"
 CODE_FILES = ("export/onnx_target.py", "export/onnx_drafter.py", "export/fp8.py", "export/trtllm.py",
-              "export/hf_drafter.py", "export/fp8_check.py", "drafter/model.py", "targets/hf_target.py")
+              "export/hf_drafter.py", "export/fp8_check.py", "drafter/model.py", "targets/hf_target.py",
+              "training/prompts.py")  # calibration prompts come from the training prompt set
 
 
 @dataclass

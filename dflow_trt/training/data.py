@@ -52,20 +52,26 @@ def generate_dataset(target: HFTarget, out_dir: Path, num_prompts: int, max_new_
     manifest_path = out_dir / "manifest.json"
     prompts = build_prompts(num_prompts, seed=seed)
     settings = {"format": FORMAT, "target": target.info.name, "target_fingerprint": target.info.fingerprint,
-                "tokenizer_fingerprint": tokenizer_fingerprint(target.tokenizer), "max_new_tokens": max_new_tokens, "decoding": "greedy", "num_prompts": len(prompts), "seed": seed}
+                "tokenizer_fingerprint": tokenizer_fingerprint(target.tokenizer), "max_new_tokens": max_new_tokens,
+                "decoding": "greedy", "num_prompts": len(prompts), "seed": seed, "shard_size": shard_size,
+                "heldout_every": heldout_every}
     if manifest_path.exists():
         old = json.loads(manifest_path.read_text())
         old.setdefault("tokenizer_fingerprint", settings["tokenizer_fingerprint"])  # caches made before it was recorded
-        fixed = [k for k in settings if k != "num_prompts"]  # the count may grow or shrink: the order is prefix-stable
-        if {k: old.get(k) for k in fixed} != {k: settings[k] for k in fixed}:
-            raise UserError(f"{out_dir} holds data made with other settings ({old.get('target')}, "
-                            f"{old.get('max_new_tokens')} new tokens, seed {old.get('seed')}); use another "
-                            f"--data-dir or delete it")
+        old.setdefault("shard_size", 64)  # likewise (64 was the only size then)
+        differ = [k for k in settings if k != "num_prompts" and old.get(k) != settings[k]]
+        if differ:
+            what = ", ".join(f"{k}: {old.get(k)} vs {settings[k]}" for k in differ)
+            raise UserError(f"{out_dir} holds data made with other settings ({what}); use another --data-dir or "
+                            f"delete it")
+        if old["num_prompts"] > len(prompts):  # the order is prefix-stable, so a data set may grow, never shrink
+            raise UserError(f"{out_dir} holds {old['num_prompts']} prompts' responses; --num-prompts "
+                            f"{num_prompts} would drop some: use a larger --num-prompts or another --data-dir")
     n_shards = (len(prompts) + shard_size - 1) // shard_size
     shards = [f"shard-{i:04d}.jsonl" for i in range(n_shards)]
     chunks = [prompts[i * shard_size:(i + 1) * shard_size] for i in range(n_shards)]
     todo = [i for i in range(n_shards) if not _shard_done(out_dir / shards[i], chunks[i], target.tokenizer)]
-    manifest = {**settings, "shards": shards, "heldout_every": heldout_every,
+    manifest = {**settings, "shards": shards,
                 "sources": sorted({p["source"] for p in prompts})}
     _atomic_write(manifest_path, json.dumps(manifest, indent=1))
     bar = tqdm(total=len(prompts), initial=len(prompts) - sum(len(chunks[i]) for i in todo), desc="generating", unit="seq")
@@ -86,14 +92,17 @@ def generate_dataset(target: HFTarget, out_dir: Path, num_prompts: int, max_new_
 
 def _shard_done(path: Path, chunk: list[dict], tokenizer) -> bool:
     """Whether `path` holds exactly `chunk`'s responses; a shard of other prompts is refused."""
-    if not path.exists():
+    try:
+        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    except (OSError, json.JSONDecodeError):
+        return False  # missing or unreadable: generate it (again)
+    ids = [r.get("id") for r in rows]
+    if not rows:
         return False
-    lines = path.read_text().splitlines()
-    first = json.loads(lines[0]) if lines else {}
-    if first.get("id") != chunk[0]["id"] or first.get("prompt_ids") != _chat(tokenizer, chunk[0]["prompt"]):
+    if ids != [p["id"] for p in chunk][: len(ids)] or rows[0].get("prompt_ids") != _chat(tokenizer, chunk[0]["prompt"]):
         raise UserError(f"{path} was generated from other prompts than this version's prompt set (another "
                         f"dflow_trt or Python version?); use another --data-dir or delete the data set")
-    return len(lines) == len(chunk)  # a short last shard of a smaller data set is regenerated whole
+    return len(rows) == len(chunk)  # the short last shard of a smaller data set is regenerated whole
 
 
 def _atomic_write(path: Path, text: str) -> None:

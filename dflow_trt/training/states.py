@@ -6,12 +6,14 @@ Format of `<data_dir>/states/`:
   states, concatenated) and, with K/V, `kv.<id>` [layers, 2, Hkv, T, D] (the target's K/V cache,
   which DFlow's verifier pass attends to), T = min(len, max_len). Stored in bf16: half the disk and
   page cache, and the drafter reads its inputs in bf16 anyway.
-Building is resumable per shard (each is written to a temp name, then renamed); a states file whose
-sequences are not its data shard's (the data set grew and that shard was regenerated) is rebuilt.
+Building is resumable per shard (each is written to a temp name, then renamed); each states file
+records the SHA-256 of its data shard, and one whose shard has changed since (a data set that grew
+regenerates its short last shard) is rebuilt, and not read by the trainer until then.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -51,7 +53,7 @@ def build_states(target: HFTarget, data_dir: Path, max_len: int, kv: bool = True
     by_shard: dict[str, list] = {}
     for s in train + heldout:
         by_shard.setdefault(s.shard, []).append(s)
-    todo = [s for s in shards if s in by_shard and _stored_ids(out / _states_file(s)) != {q.id for q in by_shard[s]}]
+    todo = [s for s in shards if s in by_shard and not _current(out / _states_file(s), data_dir / s)]
     bar = tqdm(total=sum(len(by_shard[s]) for s in todo), desc="target states", unit="seq")
     for shard in todo:
         tensors = {}
@@ -75,7 +77,8 @@ def build_states(target: HFTarget, data_dir: Path, max_len: int, kv: bool = True
             bar.update(len(group))
         final = out / _states_file(shard)
         tmp = final.with_name(f".{final.name}.tmp")
-        save_file({k: v.to(DTYPE).cpu().contiguous() for k, v in tensors.items()}, tmp)
+        save_file({k: v.to(DTYPE).cpu().contiguous() for k, v in tensors.items()}, tmp,
+                  metadata={"data_sha256": _digest(data_dir / shard)})
         os.replace(tmp, final)
     bar.close()
     return out
@@ -91,7 +94,7 @@ class StateCache:
         self._files = {}
         for name in m["shards"]:
             p = self.dir / name
-            if p.exists():
+            if _current(p, Path(data_dir) / name.replace(".safetensors", ".jsonl")):  # else: those ids run live
                 f = self._files[name] = safe_open(str(p), framework="pt")
                 self.where.update({int(k.split(".")[1]): name for k in f.keys() if k.startswith("taps.")})
         self.need_kv = need_kv
@@ -141,12 +144,20 @@ def _manifest(path: Path, target: HFTarget) -> dict:
     return m
 
 
-def _stored_ids(path: Path) -> set[int]:
-    """Sequence ids whose states `path` holds (empty when there is no such file)."""
-    if not path.exists():
-        return set()
-    with safe_open(str(path), framework="pt") as f:
-        return {int(k.split(".")[1]) for k in f.keys() if k.startswith("taps.")}
+def _digest(data_shard: Path) -> str:
+    return hashlib.sha256(data_shard.read_bytes()).hexdigest()
+
+
+def _current(states: Path, data_shard: Path) -> bool:
+    """Whether `states` was built from `data_shard` as it is now (it may have been regenerated since)."""
+    if not states.exists() or not data_shard.exists():
+        return False
+    with safe_open(str(states), framework="pt") as f:
+        sha = (f.metadata() or {}).get("data_sha256")
+        if sha is not None:
+            return sha == _digest(data_shard)
+        ids = {int(k.split(".")[1]) for k in f.keys() if k.startswith("taps.")}  # built before digests were stored
+    return ids == {json.loads(x)["id"] for x in data_shard.read_text().splitlines() if x.strip()}
 
 
 def _states_file(data_shard: str) -> str:

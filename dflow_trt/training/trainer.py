@@ -137,7 +137,8 @@ def _state_cache(cfg: TrainConfig, target: HFTarget, seqs: list[Sequence], rank:
     why = StateCache.usable(Path(cfg.data_dir), target, cfg.max_len, need_kv)
     cache = StateCache(Path(cfg.data_dir), target, need_kv) if why is None else None
     if cache is not None and not cache.covers([s.id for s in seqs]):
-        why, cache = "missing some sequences (build not finished)", None
+        why, cache = ("missing some sequences: build not finished, or the data set grew; run `dflow-trt "
+                      "cache-states` again"), None
     if rank == 0:
         print(f"target states: {'cached in ' + str(cache.dir) if cache else 'computed each step (cache ' + why + ')'}")
     return cache
