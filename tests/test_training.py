@@ -319,3 +319,14 @@ def test_prompt_set_is_prefix_stable_varied_and_holds_out_the_eval_sets():
     assert {"code-def", "code", "explain", "writing", "roleplay", "reasoning", "extraction", "math"} <= kinds
     held = set().union(*(_shingles(p) for p in humaneval_prompts() + mtbench_prompts()))
     assert not any(_shingles(p["prompt"]) & held for p in full)
+
+
+def test_first_prompt_pool_is_frozen():
+    """runs/data-smollm2 was made from this pool: editing the shared template lists must not change it
+    (the stdlib part depends on the Python version's docstrings and is checked per shard at run time)."""
+    import hashlib
+
+    from dflow_trt.training.prompts import _pool_v1
+
+    templated = [x for x in _pool_v1(0) if x[0] != "code-stdlib"]
+    assert hashlib.sha256(json.dumps(templated).encode()).hexdigest()[:16] == "5f0d244d12ee2466"
