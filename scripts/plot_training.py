@@ -35,17 +35,18 @@ def main() -> int:
         ev = [r for r in (json.loads(x) for x in (d / "train_log.jsonl").read_text().splitlines() if x.strip())
               if "eval_tau_noflow" in r]
         prev = None
-        for r in ev:
+        for i, r in enumerate(ev):
             n = r.get("train_seqs")
-            if n is not None and n != prev and (n, r["step"]) not in marked:
-                marked.add((n, r["step"]))
-                ax.axvline(r["step"], color="grey", ls="--", lw=0.8)
-                ax.annotate(f"{n} train seqs", (r["step"], 1.0), xycoords=("data", "axes fraction"), rotation=90,
-                            va="top", ha="right", fontsize=8, color="grey")
+            x = ev[i - 1]["step"] if i else 0  # the data changed after the previous evaluation
+            if n is not None and n != prev and (n, x) not in marked:
+                marked.add((n, x))
+                ax.axvline(x, color="grey", ls="--", lw=0.8)
+                ax.annotate(f"{n} train seqs from here", (x, 0.03), xycoords=("data", "axes fraction"), rotation=90,
+                            va="bottom", ha="right", fontsize=8, color="grey")
             prev = n if n is not None else prev
     ax.set_xlabel("training step")
     ax.set_ylabel("held-out τ (teacher-forced, block 16)")
-    ax.legend()
+    ax.legend(loc="upper left")
     fig.tight_layout()
     a.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = a.out.with_name(a.out.stem + ".tmp.png")
