@@ -85,11 +85,10 @@ class TrainConfig:
 class Objective(nn.Module):
     """Wraps the drafter so DDP sees one forward per step; the frozen target is not a submodule."""
 
-    def __init__(self, drafter: DFlowDrafter, target: HFTarget, cfg: TrainConfig, to_draft: torch.Tensor,
-                 cache: StateCache | None = None):
+    def __init__(self, drafter: DFlowDrafter, target: HFTarget, cfg: TrainConfig, cache: StateCache | None = None):
         super().__init__()
         self.drafter, self.target, self.cfg, self.cache = drafter, target, cfg, cache
-        self.register_buffer("to_draft", to_draft, persistent=False)
+        self.register_buffer("to_draft", _to_draft(drafter, target.info.vocab_size), persistent=False)
 
     def forward(self, batch: Batch, gen: torch.Generator):
         """-> (loss, stats of the first prediction, stats of the flow-conditioned one or None)."""
@@ -247,22 +246,22 @@ def train(cfg: TrainConfig) -> Path:
     dcfg = type(dcfg)(**{**dcfg.__dict__, "draft_vocab_size": cfg.draft_vocab_size,
                          "extra": {"name": f"{cfg.target}-{cfg.objective}", "objective": cfg.objective}})
     drafter = build_drafter(probe, dcfg, seed=cfg.seed)
-    vocab = _draft_vocab(train_seqs, cfg.draft_vocab_size, probe.info.vocab_size, probe.info.eos_token_ids)
-    drafter.draft_vocab.copy_(vocab)
-    obj = Objective(drafter, probe, cfg, _to_draft(drafter, probe.info.vocab_size),
-                    _state_cache(cfg, probe, train_seqs + heldout, rank)).to(device)
+    ck = _load_ckpt(ckpt_path) if ckpt_path.exists() else None
+    if ck is not None:
+        if _run_identity(ck["config"]) != _run_identity(asdict(cfg)) or ck.get("world") != world:
+            raise UserError(f"{ckpt_path} was written by a run with another config or process count; "
+                            f"use another --out-dir or the same settings")
+        drafter.load_state_dict(ck["drafter"])  # its draft vocabulary too: kept when the data set has grown since
+    else:
+        drafter.draft_vocab.copy_(_draft_vocab(train_seqs, cfg.draft_vocab_size, probe.info.vocab_size,
+                                               probe.info.eos_token_ids))
+    obj = Objective(drafter, probe, cfg, _state_cache(cfg, probe, train_seqs + heldout, rank)).to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     step, log = 0, []
     rng = random.Random(cfg.seed * 1000 + rank)  # which sequences each step trains on
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + rank)  # where the anchors fall
-    if ckpt_path.exists():
-        ck = _load_ckpt(ckpt_path)
-        if _run_identity(ck["config"]) != _run_identity(asdict(cfg)) or ck.get("world") != world:
-            raise UserError(f"{ckpt_path} was written by a run with another config or process count; "
-                            f"use another --out-dir or the same settings")
-        drafter.load_state_dict(ck["drafter"])  # its draft vocabulary too: kept when the data set has grown since
-        obj.to_draft.copy_(_to_draft(drafter, probe.info.vocab_size))
+    if ck is not None:
         opt.load_state_dict(ck["optimizer"])
         step, log = ck["step"], ck["log"]
         rng.setstate(ck["rng"][rank])
