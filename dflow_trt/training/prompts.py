@@ -70,20 +70,35 @@ def _arithmetic(rng: random.Random) -> str:
     return rng.choice(forms)
 
 
+def _modules(names):
+    """The importable ones of `names` (import-time deprecation warnings silenced)."""
+    for name in names:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                yield importlib.import_module(name)
+            except ImportError:
+                continue
+
+
+def _doc_summary(fn) -> str | None:
+    """The first paragraph of `fn`'s docstring on one line, when it is 20 to 300 characters long."""
+    doc = inspect.getdoc(fn)
+    first = doc.strip().split("\n\n")[0].replace("\n", " ") if doc else ""
+    return first if 20 <= len(first) <= 300 else None
+
+
+def _write_request(name: str, summary: str) -> str:
+    return f"Write a Python function `{name}` that does the following: {summary}"
+
+
 def _stdlib_code_prompts() -> list[str]:
     out = []
-    for mod_name in STDLIB_MODULES:
-        try:
-            mod = importlib.import_module(mod_name)
-        except ImportError:
-            continue
+    for mod in _modules(STDLIB_MODULES):
         for name, fn in inspect.getmembers(mod, inspect.isfunction):
-            doc = inspect.getdoc(fn)
-            if name.startswith("_") or not doc:
-                continue
-            first = doc.strip().split("\n\n")[0].replace("\n", " ")
-            if 20 <= len(first) <= 300:
-                out.append(f"Write a Python function `{name}` that does the following: {first}")
+            first = None if name.startswith("_") else _doc_summary(fn)
+            if first:
+                out.append(_write_request(name, first))
     return out
 
 
@@ -178,23 +193,14 @@ CITIES = ["Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Toronto", "Cairo", "Mad
 def _signature_prompts() -> list[tuple[str, str]]:
     """Stdlib functions and methods: a 'write it' request, or (documented signature) a def to complete."""
     out = []
-    for mod_name in STDLIB_MODULES_V2:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                mod = importlib.import_module(mod_name)
-            except ImportError:
-                continue
+    for mod in _modules(STDLIB_MODULES_V2):
         members = [(n, f) for n, f in inspect.getmembers(mod) if inspect.isfunction(f) or inspect.isbuiltin(f)]
         for cname, cls in inspect.getmembers(mod, inspect.isclass):
             if not cname.startswith("_") and getattr(cls, "__module__", "") == mod.__name__:
                 members += [(f"{cname}.{n}", f) for n, f in vars(cls).items() if callable(f) and not n.startswith("_")]
         for name, fn in members:
-            doc = inspect.getdoc(fn)
-            if name.startswith("_") or not doc:
-                continue
-            first = doc.strip().split("\n\n")[0].replace("\n", " ")
-            if not 20 <= len(first) <= 300:
+            first = None if name.startswith("_") else _doc_summary(fn)
+            if not first:
                 continue
             try:
                 sig = str(inspect.signature(fn))
@@ -204,7 +210,7 @@ def _signature_prompts() -> list[tuple[str, str]]:
             if sig and "<" not in sig and len(sig) < 80:
                 out.append(("code-def", f'def {short}{sig}:\n    """{first}\n    """\n'))
             else:
-                out.append(("code-stdlib", f"Write a Python function `{short}` that does the following: {first}"))
+                out.append(("code-stdlib", _write_request(short, first)))
     return out
 
 
