@@ -4,12 +4,13 @@
                                   [--repeats 7] [--json docs/bench_round.json]
 
 At a fixed context: the time of one `ar` step (verify 1 token), one drafter pass (the mode's
-shipped drafter, block as trained; with a full block of verifier flow for DFlow), and a verify of the anchor plus k drafts for k = 1..block-1.
-From these: the τ a round needs to match `ar` at each k ((draft + verify_k) / ar_step), and the
-marginal cost of one more draft in ar steps, which is the acceptance chance a draft needs to be
-worth verifying: the natural `--verify-threshold`. Also the target's MLP up-projection alone by
-rows, to show how the CPU matrix multiply scales. Prints a table and writes JSON. Not a test. (The timing is `bench_scale.bench_context`'s, at batch 1
-with every k, on the real target.)
+shipped drafter, block as trained; with a full block of verifier flow for DFlow), and a verify of
+the anchor plus k drafts for k = 1..block-1, timed by `bench_scale.bench_context` at batch 1 on the
+real target. From these: the τ a round needs to match `ar` at each k ((draft + verify_k) /
+ar_step), and the marginal cost of one more draft in ar steps, which is the acceptance chance a
+draft needs to be worth verifying: the natural `--verify-threshold`. Also the target's MLP
+up-projection alone by rows, to show how the CPU matrix multiply scales. Prints a table and writes
+JSON. Not a test.
 """
 
 import argparse

@@ -23,6 +23,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "docs/training_tau.png")
     a = ap.parse_args()
     fig, ax = plt.subplots(figsize=(7, 4))
+    marked = set()
     for d in a.drafters:
         log = [json.loads(x) for x in (d / "train_log.jsonl").read_text().splitlines() if x.strip()]
         ev = [r for r in log if "eval_tau_noflow" in r]
@@ -30,11 +31,7 @@ def main() -> int:
         if any("eval_tau_flow" in r for r in ev):
             ax.plot([r["step"] for r in ev], [r["eval_tau_flow"] for r in ev], marker="s",
                     label=f"{d.name}: with verifier flow")
-    marked = set()
-    for d in a.drafters:  # where a run went on with a grown data set (logs record train_seqs since)
-        ev = [r for r in (json.loads(x) for x in (d / "train_log.jsonl").read_text().splitlines() if x.strip())
-              if "eval_tau_noflow" in r]
-        prev = None
+        prev = None  # where a run went on with a grown data set (logs record train_seqs since)
         for i, r in enumerate(ev):
             n = r.get("train_seqs")
             x = ev[i - 1]["step"] if i else 0  # the data changed after the previous evaluation
