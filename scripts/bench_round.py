@@ -25,15 +25,15 @@ from bench_verify import _time as _ms  # noqa: E402  (the median-of-repeats time
 
 
 def _linear_us(target, block: int, repeats: int) -> dict[int, float]:
-    """Median µs of the target's first MLP up-projection for 1, 2, 4, ..., block rows: how the
-    matrix multiply itself scales with the tokens in a call (the weights are read once either way)."""
+    """Median µs of the target's first MLP up-projection (the module, packed or not) for 1, 2, 4, ...,
+    block rows: how the matrix multiply scales with the tokens in a call (the weights are read once
+    either way)."""
     import torch
-    import torch.nn.functional as F
 
-    w = target.model.model.layers[0].mlp.up_proj.weight  # [I, H]
+    lin = target.model.model.layers[0].mlp.up_proj  # [I, H]
     rows = sorted({1, 2, 4, 8, block})
-    xs = {m: torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device) for m in rows}
-    return {m: _ms(lambda m=m: F.linear(xs[m], w), repeats) * 1e3 for m in rows}
+    xs = {m: torch.randn(m, lin.in_features, dtype=lin.weight.dtype, device=lin.weight.device) for m in rows}
+    return {m: _ms(lambda m=m: lin(xs[m]), repeats) * 1e3 for m in rows}
 
 
 def main(argv=None) -> int:
@@ -42,6 +42,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default="dflash", choices=["dflash", "dflow"])
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--plain-linear", action="store_true",
+                    help="PyTorch's default CPU matrix multiply instead of oneDNN-packed weights (for comparison)")
     ap.add_argument("--json", default="docs/bench_round.json")
     a = ap.parse_args(argv)
     import torch
@@ -51,7 +53,7 @@ def main(argv=None) -> int:
     from dflow_trt.errors import UserError
 
     try:
-        target, model = load_target_and_drafter(a.target, None, a.mode)
+        target, model = load_target_and_drafter(a.target, None, a.mode, packed=not a.plain_linear)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -66,10 +68,12 @@ def main(argv=None) -> int:
     rows = [{"drafts": k, "verify_ms": v, "break_even_tau": (draft_ms + v) / ar_ms} for k, v in verify_ms.items()]
     marginal = (verify_ms[S - 1] - verify_ms[1]) / max(1, S - 2) / ar_ms
     report = {"target": a.target, "mode": a.mode, "drafter": model.config.extra.get("name", "untrained"),
-              "context": P, "threads": torch.get_num_threads(), "repeats": a.repeats, "ar_step_ms": ar_ms,
+              "context": P, "threads": torch.get_num_threads(), "packed_linear": not a.plain_linear,
+              "repeats": a.repeats, "ar_step_ms": ar_ms,
               "draft_ms": draft_ms, "rows": rows, "marginal_draft_cost_in_ar_steps": marginal,
               "mlp_up_linear_us_by_rows": linear_us}
-    print(f"{a.target}, context {P}, {torch.get_num_threads()} threads: ar step {ar_ms:.1f} ms, "
+    kind = "plain PyTorch linear" if a.plain_linear else "oneDNN-packed linear"
+    print(f"{a.target}, context {P}, {torch.get_num_threads()} threads, {kind}: ar step {ar_ms:.1f} ms, "
           f"drafter pass {draft_ms:.1f} ms (block {S})")
     print(f"{'drafts':>6} {'verify ms':>10} {'round ms':>9} {'break-even τ':>13}")
     for r in rows:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ..backends import torch_cpu
 from ..errors import UserError
 from ..targets import SHIPPED_DRAFTERS, load_target, preset
 from ..targets.hf_target import HFTarget
@@ -38,18 +39,29 @@ def shipped_drafter_path(target_name: str, mode: str) -> Path | None:
 
 def load_target_and_drafter(target_spec: str, drafter_path: str | None, mode: str,
                             device: str = "cpu", warn=lambda m: print(m, file=sys.stderr),
-                            target: HFTarget | None = None) -> tuple[HFTarget, DFlowDrafter | None]:
+                            target: HFTarget | None = None,
+                            packed: bool = True) -> tuple[HFTarget, DFlowDrafter | None]:
     """Resolve --target/--drafter/--mode into a target tapping what the drafter reads, and the drafter.
 
-    `target`, when given, is an already loaded `target_spec` whose weights are reused.
+    For decoding: with `packed`, the linear layers of a target loaded here and of the drafter run
+    on oneDNN-packed weights on a CPU (`backends.torch_cpu`). `target`, when given, is an already
+    loaded `target_spec` whose weights are reused as they are.
     """
     from ..targets.hf_target import default_tap_layers
 
     def _load(tap_layers=None, num_taps=0):
         if target is None:
-            return load_target(target_spec, tap_layers=tap_layers, num_taps=num_taps, device=device)
+            t = load_target(target_spec, tap_layers=tap_layers, num_taps=num_taps, device=device)
+            if packed:
+                torch_cpu.pack_linears(t.model)
+            return t
         taps = tap_layers if tap_layers is not None else default_tap_layers(target.info.num_layers, num_taps)
         return target.with_taps(tuple(taps))
+
+    def _packed(model: DFlowDrafter) -> DFlowDrafter:
+        if packed:
+            torch_cpu.pack_linears(model)
+        return model
 
     if mode == "ar":
         return _load(), None
@@ -59,8 +71,8 @@ def load_target_and_drafter(target_spec: str, drafter_path: str | None, mode: st
             raise UserError(f"drafter {path} does not exist; pass a folder written by `dflow-trt train` or omit --drafter")
         cfg = read_config(path)
         t = _load(tap_layers=cfg.tap_layers)
-        return t, load_drafter(path, t)
+        return t, _packed(load_drafter(path, t))
     t = _load(num_taps=DEFAULT_NUM_TAPS)  # first, so a bad --target is the error, not this warning
     warn(f"warning: no trained {mode} drafter for {target_spec}; using a seeded untrained drafter "
          f"(expect tau ~ 1); train one with `dflow-trt train --target {target_spec}`")
-    return t, build_drafter(t, untrained_config(t, flow=(mode == "dflow")), seed=0)
+    return t, _packed(build_drafter(t, untrained_config(t, flow=(mode == "dflow")), seed=0))

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..backends import torch_cpu
 from ..decoding.interfaces import FlowState
 from .config import DrafterConfig
 
@@ -152,7 +153,24 @@ class DFlowDrafter(nn.Module):
             x = layer(x, pos, k, v, mask)
         return self.norm(x)
 
+    def draft_head(self) -> torch.Tensor:
+        """The LM head rows of the draft vocabulary [Vd, H]."""
+        if self.config.draft_vocab_size is None:
+            return self.lm_head_weight
+        return self.lm_head_weight[self.draft_vocab]
+
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Hidden [..., H] -> logits over the draft vocabulary [..., Vd]."""
-        w = self.lm_head_weight if self.config.draft_vocab_size is None else self.lm_head_weight[self.draft_vocab]
-        return h @ w.T
+        """Hidden [..., H] -> logits over the draft vocabulary [..., Vd].
+
+        Decoding (inference mode) keeps the gathered head between rounds, packed for the CPU where
+        it can be: gathering and multiplying it per call cost more than the drafter's layers on a
+        CPU. Training and export gather each time, so autograd never meets an inference tensor and
+        the export graph keeps the shared head.
+        """
+        if not torch.is_inference_mode_enabled():
+            return F.linear(h, self.draft_head())
+        key = tuple((t.data_ptr(), t._version) for t in (self.lm_head_weight, self.draft_vocab))
+        if getattr(self, "_head_key", None) != key:
+            head = self.draft_head()
+            self._head, self._head_packed, self._head_key = head, torch_cpu.pack(head), key
+        return torch_cpu.linear(h, self._head, packed=self._head_packed)
