@@ -74,6 +74,32 @@ def test_pack_linears_keeps_parameters_ties_and_outputs(tiny_qwen3):
     assert not any(type(m) is torch_cpu.PackedLinear for m in t.model.modules())
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama"])
+def test_grouped_attention_matches_sdpa(name):
+    """Padded rows and multi-token verifies (where a mask is present) give transformers' SDPA numbers."""
+    from dflow_trt.targets import load_target
+
+    t = load_target(name, num_taps=2)
+    assert t.model.config.num_key_value_heads < t.model.config.num_attention_heads  # grouped K/V to pass on
+    ids = torch.randint(0, t.info.vocab_size, (2, 11))
+    block = torch.randint(0, t.info.vocab_size, (2, 5))
+    lens = torch.tensor([11, 7])
+
+    def run():
+        cache, pre = t.prefill(ids, lens)
+        ver = t.verify(cache, block)
+        t.commit(cache, torch.tensor([2, 5]))
+        again = t.verify(cache, block[:, :3])  # after a row kept fewer: holes in that row's mask
+        return pre, ver, again
+
+    plain = run()
+    assert torch_cpu.grouped_attention(t.model)
+    assert t.model.config._attn_implementation == torch_cpu.GROUPED_SDPA
+    for a, b in zip(plain, run()):
+        torch.testing.assert_close(b.logits, a.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b.taps, a.taps, rtol=1e-5, atol=1e-5)
+
+
 def test_draft_head_cache_follows_the_vocabulary(tiny_qwen3):
     from dflow_trt.drafter.defaults import untrained_config
     from dflow_trt.drafter.io import build_drafter

@@ -10,6 +10,10 @@ same for 1 or 2 rows, and its result for a row does not depend on how many rows 
 same parameters (tied weights stay tied), same state dict. A packed copy is made on first use
 and remade when the weight changes (in-place optimizer steps bump the tensor version). Autograd,
 tracing, export and other devices or dtypes take the plain `F.linear` path.
+
+`grouped_attention(model)` does the same for attention: transformers' SDPA path copies each
+layer's grouped K/V once per query head group whenever a mask is present, which is every verify
+of more than one token and never an `ar` step; this path hands the groups to SDPA as they are.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+GROUPED_SDPA = "dflow_trt_grouped_sdpa"
 
 
 def available() -> bool:
@@ -80,3 +86,28 @@ def unpack_linears(module: nn.Module) -> int:
             m.__dict__.pop("_packed", None)
             n += 1
     return n
+
+
+def _grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' attention-function signature: query [B, H, Q, D], key/value [B, Hkv, K, D]."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask is None or attention_mask.dtype != torch.bool or query.device.type != "cpu":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None  # [B, Q, H, D]
+
+
+def grouped_attention(model) -> bool:
+    """Switch a transformers model on SDPA attention to `_grouped_sdpa` (same masks, same numbers)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    AttentionInterface.register(GROUPED_SDPA, _grouped_sdpa)
+    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+    model.set_attn_implementation(GROUPED_SDPA)
+    return True

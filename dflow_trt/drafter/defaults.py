@@ -44,7 +44,8 @@ def load_target_and_drafter(target_spec: str, drafter_path: str | None, mode: st
     """Resolve --target/--drafter/--mode into a target tapping what the drafter reads, and the drafter.
 
     For decoding: with `packed`, the linear layers of a target loaded here and of the drafter run
-    on oneDNN-packed weights on a CPU (`backends.torch_cpu`). `target`, when given, is an already
+    on oneDNN-packed weights on a CPU, and the target's attention skips a K/V copy
+    (`backends.torch_cpu`). `target`, when given, is an already
     loaded `target_spec` whose weights are reused as they are.
     """
     from ..targets.hf_target import default_tap_layers
@@ -52,8 +53,9 @@ def load_target_and_drafter(target_spec: str, drafter_path: str | None, mode: st
     def _load(tap_layers=None, num_taps=0):
         if target is None:
             t = load_target(target_spec, tap_layers=tap_layers, num_taps=num_taps, device=device)
-            if packed:
+            if packed and t.device.type == "cpu":
                 torch_cpu.pack_linears(t.model)
+                torch_cpu.grouped_attention(t.model)
             return t
         taps = tap_layers if tap_layers is not None else default_tap_layers(target.info.num_layers, num_taps)
         return target.with_taps(tuple(taps))
