@@ -64,6 +64,11 @@ class PackedLinear(nn.Linear):
             self._packed = (key, pack(self.weight))
         return linear(x, self.weight, self.bias, self._packed[1])
 
+    def __getstate__(self):  # copies and pickles: the packed weight is an opaque cache, remade on use
+        state = super().__getstate__()
+        state.pop("_packed", None)
+        return state
+
 
 def pack_linears(module: nn.Module) -> int:
     """Make every fp32 CPU `nn.Linear` in `module` a `PackedLinear` (in place); returns how many."""
