@@ -1,5 +1,7 @@
 """oneDNN-packed linear layers for CPU decoding: same numbers, same parameters, still lossless."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -50,6 +52,12 @@ def test_packed_linear_trains_and_repacks_after_updates():
             m.weight.add_(0.5)  # an optimizer step, in place
     with torch.inference_mode():
         torch.testing.assert_close(p(x), lin(x), rtol=1e-5, atol=1e-5)  # not the stale packed weight
+    p.weight = lin.weight = nn.Parameter(torch.randn(16, 32))  # another tensor altogether
+    with torch.inference_mode():
+        torch.testing.assert_close(p(x), lin(x), rtol=1e-5, atol=1e-5)
+        copied = copy.deepcopy(p)  # the opaque packed weight is not copied, and is remade on use
+        assert copied._packed is None
+        torch.testing.assert_close(copied(x), lin(x), rtol=1e-5, atol=1e-5)
 
 
 def test_pack_linears_keeps_parameters_ties_and_outputs(tiny_qwen3):
@@ -75,10 +83,17 @@ def test_pack_linears_keeps_parameters_ties_and_outputs(tiny_qwen3):
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama"])
-def test_grouped_attention_matches_sdpa(name):
+def test_grouped_attention_matches_sdpa(name, monkeypatch):
     """Padded rows and multi-token verifies (where a mask is present) give transformers' SDPA numbers."""
     from dflow_trt.targets import load_target
 
+    sdpa, grouped_calls = F.scaled_dot_product_attention, []
+
+    def spy(*args, **kw):
+        grouped_calls.append(bool(kw.get("enable_gqa")))
+        return sdpa(*args, **kw)
+
+    monkeypatch.setattr(torch_cpu.F, "scaled_dot_product_attention", spy)
     t = load_target(name, num_taps=2)
     assert t.model.config.num_key_value_heads < t.model.config.num_attention_heads  # grouped K/V to pass on
     ids = torch.randint(0, t.info.vocab_size, (2, 11))
@@ -93,9 +108,12 @@ def test_grouped_attention_matches_sdpa(name):
         return pre, ver, again
 
     plain = run()
+    assert not any(grouped_calls)
     assert torch_cpu.grouped_attention(t.model)
     assert t.model.config._attn_implementation == torch_cpu.GROUPED_SDPA
-    for a, b in zip(plain, run()):
+    grouped = run()
+    assert sum(grouped_calls) == 3 * t.info.num_layers  # every masked call took the grouped path
+    for a, b in zip(plain, grouped):
         torch.testing.assert_close(b.logits, a.logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(b.taps, a.taps, rtol=1e-5, atol=1e-5)
 
@@ -118,6 +136,14 @@ def test_draft_head_cache_follows_the_vocabulary(tiny_qwen3):
     torch.testing.assert_close(second, F.linear(h, d.lm_head_weight[100:164]), rtol=1e-5, atol=1e-5)
     d.draft_logits(h.requires_grad_()).sum().backward()  # training after inference: no inference tensors
     assert h.grad is not None
+    torch_cpu.pack_linears(d)
+    with torch.inference_mode():
+        torch.testing.assert_close(d.draft_logits(h), second, rtol=1e-5, atol=1e-5)
+        assert d._head_packed is not None  # a packed drafter packs its head too
+    copied = copy.deepcopy(d)  # after decoding: the head cache is dropped, not copied
+    assert not hasattr(copied, "_head_packed")
+    with torch.inference_mode():
+        torch.testing.assert_close(copied.draft_logits(h), second, rtol=1e-5, atol=1e-5)
 
 
 def test_packed_decoding_is_lossless(tiny_qwen3):

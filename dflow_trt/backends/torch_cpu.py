@@ -8,8 +8,10 @@ same for 1 or 2 rows, and its result for a row does not depend on how many rows 
 
 `pack_linears(module)` switches every fp32 CPU `nn.Linear` in a module to `PackedLinear` in place:
 same parameters (tied weights stay tied), same state dict. A packed copy is made on first use
-and remade when the weight changes (in-place optimizer steps bump the tensor version). Autograd,
-tracing, export and other devices or dtypes take the plain `F.linear` path.
+and remade when the weight changes (another tensor, or an in-place update, which bumps the tensor
+version; a write through `.data` does not, so call `unpack_linears` before editing weights that
+way). Autograd, tracing, export, inference-mode weights and other devices or dtypes take the plain
+`F.linear` path.
 
 `grouped_attention(model)` does the same for attention: transformers' SDPA path copies each
 layer's grouped K/V once per query head group whenever a mask is present, which is every verify
@@ -37,10 +39,25 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
 
+def _tracing() -> bool:
+    return torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
+
 def _plain_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.device.type != "cpu" or x.dtype != weight.dtype
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            or torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.compiler.is_exporting())
+    return (x.device.type != "cpu" or x.dtype != weight.dtype or weight.is_inference()
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) or _tracing())
+
+
+def cache_key(*tensors: torch.Tensor) -> tuple:
+    """What a cache derived from `tensors` records: the tensors themselves (kept alive, so their
+    identity cannot be reused) and their versions."""
+    return tuple((t, -1 if t.is_inference() else t._version) for t in tensors)
+
+
+def still_valid(key: tuple | None, *tensors: torch.Tensor) -> bool:
+    """Whether a cache made under `key` still derives from exactly these, unmodified tensors."""
+    return key is not None and len(key) == len(tensors) and all(
+        t is k and (-1 if t.is_inference() else t._version) == v for t, (k, v) in zip(tensors, key))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -54,14 +71,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class PackedLinear(nn.Linear):
     """`nn.Linear` that multiplies through a cached oneDNN-packed weight (see the module doc)."""
 
-    _packed: tuple[tuple, torch.Tensor | None] | None = None
+    _packed: tuple[tuple, torch.Tensor | None] | None = None  # (cache_key(weight), packed weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _plain_path(x, self.weight):
             return F.linear(x, self.weight, self.bias)
-        key = (self.weight.data_ptr(), self.weight._version)
-        if self._packed is None or self._packed[0] != key:
-            self._packed = (key, pack(self.weight))
+        if self._packed is None or not still_valid(self._packed[0], self.weight):
+            self._packed = (cache_key(self.weight), pack(self.weight))
         return linear(x, self.weight, self.bias, self._packed[1])
 
     def __getstate__(self):  # copies and pickles: the packed weight is an opaque cache, remade on use
@@ -97,7 +113,8 @@ def _grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scalin
     """transformers' attention-function signature: query [B, H, Q, D], key/value [B, Hkv, K, D]."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if attention_mask is None or attention_mask.dtype != torch.bool or query.device.type != "cpu":
+    if (attention_mask is None or attention_mask.dtype != torch.bool or query.device.type != "cpu"
+            or _tracing()):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..backends import torch_cpu
 from ..decoding.loop import generate
 from ..drafter.model import DFlowDrafter
 from ..drafter.runtime import TorchDrafter
@@ -61,6 +62,7 @@ def calibration_prompts(target: HFTarget, n: int = 32, seed: int = 1234, max_len
 def _quantize(module: nn.Module, forward_loop) -> nn.Module:
     import modelopt.torch.quantization as mtq
 
+    torch_cpu.unpack_linears(module)  # ModelOpt quantizes plain nn.Linear modules
     return mtq.quantize(module, copy.deepcopy(mtq.FP8_DEFAULT_CFG), forward_loop)
 
 
