@@ -43,7 +43,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--plain-linear", action="store_true",
-                    help="PyTorch's default CPU matrix multiply instead of oneDNN-packed weights (for comparison)")
+                    help="PyTorch's default CPU linear layers and transformers' own attention instead of "
+                         "backends.torch_cpu (oneDNN-packed weights, grouped K/V), for comparison")
     ap.add_argument("--json", default="docs/bench_round.json")
     a = ap.parse_args(argv)
     import torch
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
               "repeats": a.repeats, "ar_step_ms": ar_ms,
               "draft_ms": draft_ms, "rows": rows, "marginal_draft_cost_in_ar_steps": marginal,
               "mlp_up_linear_us_by_rows": linear_us}
-    kind = "plain PyTorch linear" if a.plain_linear else "oneDNN-packed linear"
+    kind = "plain PyTorch linear and attention" if a.plain_linear else "oneDNN-packed linear, grouped attention"
     print(f"{a.target}, context {P}, {torch.get_num_threads()} threads, {kind}: ar step {ar_ms:.1f} ms, "
           f"drafter pass {draft_ms:.1f} ms (block {S})")
     print(f"{'drafts':>6} {'verify ms':>10} {'round ms':>9} {'break-even τ':>13}")
