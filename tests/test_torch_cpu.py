@@ -118,7 +118,7 @@ def test_grouped_attention_matches_sdpa(name, monkeypatch):
         torch.testing.assert_close(b.taps, a.taps, rtol=1e-5, atol=1e-5)
 
 
-def test_draft_head_cache_follows_the_vocabulary(tiny_qwen3):
+def test_draft_head_cache_follows_the_vocabulary(tiny_qwen3, monkeypatch):
     from dflow_trt.drafter.defaults import untrained_config
     from dflow_trt.drafter.io import build_drafter
 
@@ -137,9 +137,11 @@ def test_draft_head_cache_follows_the_vocabulary(tiny_qwen3):
     d.draft_logits(h.requires_grad_()).sum().backward()  # training after inference: no inference tensors
     assert h.grad is not None
     torch_cpu.pack_linears(d)
+    multiplies, inner = [], torch_cpu._packed_linear
+    monkeypatch.setattr(torch_cpu, "_packed_linear", lambda x, p, *a: multiplies.append(p) or inner(x, p, *a))
     with torch.inference_mode():
         torch.testing.assert_close(d.draft_logits(h), second, rtol=1e-5, atol=1e-5)
-        assert d._head_packed is not None  # a packed drafter packs its head too
+    assert multiplies and multiplies[-1] is d._head_packed is not None  # a packed drafter multiplies a packed head
     copied = copy.deepcopy(d)  # after decoding: the head cache is dropped, not copied
     assert not hasattr(copied, "_head_packed")
     with torch.inference_mode():

@@ -44,28 +44,40 @@ def _tracing() -> bool:
 
 
 def _plain_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.device.type != "cpu" or x.dtype != weight.dtype or weight.is_inference()
+    return (x.device.type != "cpu" or x.dtype != weight.dtype
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) or _tracing())
+
+
+def _version(t: torch.Tensor) -> int:
+    return -1 if t.is_inference() else t._version  # inference tensors keep no version counter
 
 
 def cache_key(*tensors: torch.Tensor) -> tuple:
     """What a cache derived from `tensors` records: the tensors themselves (kept alive, so their
     identity cannot be reused) and their versions."""
-    return tuple((t, -1 if t.is_inference() else t._version) for t in tensors)
+    return tuple((t, _version(t)) for t in tensors)
 
 
 def still_valid(key: tuple | None, *tensors: torch.Tensor) -> bool:
     """Whether a cache made under `key` still derives from exactly these, unmodified tensors."""
     return key is not None and len(key) == len(tensors) and all(
-        t is k and (-1 if t.is_inference() else t._version) == v for t, (k, v) in zip(tensors, key))
+        t is k and _version(t) == v for t, (k, v) in zip(tensors, key))
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor | None, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """The multiply itself, once the caller has ruled out the plain path."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # [..., out]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through `packed` (from `pack(weight)`) where that is safe."""
-    if packed is None or _plain_path(x, weight):
+    if _plain_path(x, weight):
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # [..., out]
+    return _packed_linear(x, packed, weight, bias)
 
 
 class PackedLinear(nn.Linear):
@@ -74,11 +86,12 @@ class PackedLinear(nn.Linear):
     _packed: tuple[tuple, torch.Tensor | None] | None = None  # (cache_key(weight), packed weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _plain_path(x, self.weight):
+        # an inference-mode weight has no version counter to tell when it changed: never cached
+        if _plain_path(x, self.weight) or self.weight.is_inference():
             return F.linear(x, self.weight, self.bias)
         if self._packed is None or not still_valid(self._packed[0], self.weight):
             self._packed = (cache_key(self.weight), pack(self.weight))
-        return linear(x, self.weight, self.bias, self._packed[1])
+        return _packed_linear(x, self._packed[1], self.weight, self.bias)  # checked once per call, above
 
     def __getstate__(self):  # copies and pickles: the packed weight is an opaque cache, remade on use
         state = super().__getstate__()
