@@ -39,6 +39,15 @@ class ModeRun:
         return sum(self.acceptance) / max(1, len(self.acceptance))
 
     @property
+    def tau_se(self) -> float:
+        """Standard error of τ over rounds (rounds of one prompt are not independent: a lower bound)."""
+        n = len(self.acceptance)
+        if n < 2:
+            return 0.0
+        var = sum((a - self.tau) ** 2 for a in self.acceptance) / (n - 1)
+        return (var / n) ** 0.5
+
+    @property
     def tokens_per_s(self) -> float:
         return sum(len(t) for t in self.tokens) / self.seconds if self.seconds > 0 else 0.0
 
@@ -69,7 +78,7 @@ def _summary(runs: dict[str, ModeRun]) -> dict:
     ar = runs.get("ar")
     out = {}
     for mode, r in runs.items():
-        out[mode] = {"tau": r.tau, "tokens_per_s": r.tokens_per_s,
+        out[mode] = {"tau": r.tau, "tau_se": r.tau_se, "tokens_per_s": r.tokens_per_s,
                      "speedup_vs_ar": r.tokens_per_s / ar.tokens_per_s if ar and ar.tokens_per_s else None,
                      "matches_ar": (r.tokens == ar.tokens) if ar else None,
                      "acceptance_by_position": r.position_rates(), "rounds": len(r.acceptance),
@@ -148,11 +157,11 @@ def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], da
     for d, r in [*report["datasets"].items(), ("all", report)]:
         verify = f" · verify threshold {verify_threshold:g}" if verify_threshold else ""
         t = Table(title=f"{target} · {d} · greedy · {num_prompts} prompts × {max_new_tokens} tokens{verify}")
-        for c in ("mode", "drafter", "block", "verified", "τ", "accept pos 1..4", "tokens/s", "speedup", "matches ar"):
+        for c in ("mode", "drafter", "block", "verified", "τ ± se", "accept pos 1..4", "tokens/s", "speedup", "matches ar"):
             t.add_column(c, justify="right")
         for m, s in r["modes"].items():
             pos = " ".join(f"{x:.2f}" for x in s["acceptance_by_position"][:4]) or "-"
-            t.add_row(m, s["drafter"], str(s["block_size"]), f"{s['drafts_verified_per_round']:.1f}", f"{s['tau']:.2f}",
+            t.add_row(m, s["drafter"], str(s["block_size"]), f"{s['drafts_verified_per_round']:.1f}", f"{s['tau']:.3f} ± {s['tau_se']:.3f}",
                       pos, f"{s['tokens_per_s']:.1f}", f"{s['speedup_vs_ar']:.2f}x", "yes" if s["matches_ar"] else "NO")
         console.print(t)
     if json_out:

@@ -64,7 +64,8 @@ def test_bench_reports_every_mode(tmp_path):
     for mode in ("ar", "dflash", "dflow"):
         s = rep["modes"][mode]
         assert s["matches_ar"] is True
-        assert s["tau"] >= 1 and s["tokens_per_s"] > 0 and s["speedup_vs_ar"] > 0
+        assert s["tau"] >= 1 and s["tokens_per_s"] > 0 and s["speedup_vs_ar"] > 0 and s["tau_se"] >= 0
+    assert rep["modes"]["ar"]["tau_se"] == 0  # every ar round commits exactly one token
     assert len(rep["modes"]["dflow"]["acceptance_by_position"]) == 3
     assert rep["modes"]["dflow"]["drafts_verified_per_round"] == 3 and rep["modes"]["ar"]["drafts_verified_per_round"] == 0
     assert out.with_suffix(".png").stat().st_size > 0
@@ -104,3 +105,11 @@ def test_fp8_check_subcommand_registered():
     r = _cli("build", "--target", "no-such-target", "--no-fp8-check")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: unknown target 'no-such-target'")
+
+
+def test_bench_tau_standard_error():
+    from dflow_trt.bench import ModeRun
+
+    r = ModeRun(tokens=[[0] * 6], acceptance=[1, 2, 3], seconds=1.0, drafter="d", block_size=4)
+    assert r.tau == 2 and r.tau_se == pytest.approx((1 / 3) ** 0.5)  # sample variance 1 over 3 rounds
+    assert ModeRun([[0]], [2], 1.0, "d", 4).tau_se == 0.0
