@@ -317,6 +317,8 @@ def test_prompt_set_is_prefix_stable_varied_and_holds_out_the_eval_sets():
     assert len({p["prompt"] for p in full}) == len(full)  # deduplicated
     kinds = {p["source"] for p in full[1000:3000]}  # the second pool mixes every kind of request
     assert {"code-def", "code", "explain", "writing", "roleplay", "reasoning", "extraction", "math"} <= kinds
+    code_read = [p["prompt"] for p in full if p["source"] == "code-read"]  # the third pool: real stdlib source
+    assert len(code_read) > 1000 and all("```python\n" in p and "def " in p for p in code_read)
     held = set().union(*(_shingles(p) for p in humaneval_prompts() + mtbench_prompts()))
     assert not any(_shingles(p["prompt"]) & held for p in full)
 

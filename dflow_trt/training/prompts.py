@@ -7,7 +7,9 @@ reasoning, extraction, arithmetic). Deduplicated; anything sharing an 8-word shi
 or MT-Bench is dropped, so both stay held out for evaluation.
 
 The order is fixed so that data sets can grow: the first 963 prompts are the original pool (what
-`runs/data-smollm2` was made from), then the larger second pool in a seeded order. A prefix of
+`runs/data-smollm2` was made from), then the larger second pool in a seeded order (4,180 in all
+on Python 3.11), then the third: tasks over the source of real standard-library functions
+(explain, test, refactor, document, trace a call) and more of the templated kinds. A prefix of
 `build_prompts(n)` is `build_prompts(m)` for any m < n.
 """
 
@@ -17,6 +19,7 @@ import importlib
 import inspect
 import random
 import re
+import textwrap
 import warnings
 
 from ..evalsets import humaneval_prompts, mtbench_prompts
@@ -127,7 +130,7 @@ def _pool_v1(seed: int, n: int = 1024) -> list[tuple[str, str]]:
 
 def build_prompts(n: int, seed: int = 0) -> list[dict]:
     """Up to n unique prompts, each {"id", "source", "prompt"}, in a fixed seeded order, eval sets excluded."""
-    pool = _pool_v1(seed) + _pool_v2(seed)
+    pool = _pool_v1(seed) + _pool_v2(seed) + _pool_v3(seed)
     held_out = set().union(*(_shingles(p) for p in humaneval_prompts() + mtbench_prompts()))
     seen, out = set(), []
     for source, prompt in pool:
@@ -279,5 +282,62 @@ def _pool_v2(seed: int) -> list[tuple[str, str]]:
     pool += [("reasoning", _reasoning(rng)) for _ in range(300)]
     pool += [("extraction", _extraction(rng)) for _ in range(100)]
     pool += [("math", _arithmetic(rng)) for _ in range(200)]
+    rng.shuffle(pool)
+    return pool
+
+
+# The third pool: code to read (real standard-library source, which templates cannot imitate) and
+# more of the templated kinds. New lists only: editing the ones above would change pools 1 and 2,
+# which existing data sets were made from.
+CODE_READ_FORMS = ["Explain what this Python function does, step by step:",
+                   "Write pytest unit tests for this Python function:",
+                   "Rewrite this Python function to be easier to read, and explain your changes:",
+                   "Add type hints and a clear docstring to this Python function:",
+                   "Give an example call of this Python function and explain what it returns:",
+                   "Are there any bugs or edge cases in this Python function? Explain.",
+                   "Translate this Python function into JavaScript:"]
+EXPLAIN_FORMS_V3 = ["Write a short lesson plan about {t}.", "Describe a simple experiment or example that shows {t}.",
+                    "Write an FAQ with four questions and answers about {t}.",
+                    "What are the open questions or debates about {t}?",
+                    "Explain {t} in exactly three sentences.", "Write a short dialogue in which a teacher explains {t}."]
+TONES = ["a formal", "a friendly", "a humorous", "an enthusiastic", "a calm", "a persuasive"]
+
+
+def _code_read_prompts(rng: random.Random) -> list[tuple[str, str]]:
+    """Tasks over standard-library functions of 5 to 30 lines (one or two task forms each)."""
+    out, seen = [], set()
+    for mod in _modules(STDLIB_MODULES_V2):
+        fns = [f for _, f in inspect.getmembers(mod, inspect.isfunction)]
+        for cname, cls in inspect.getmembers(mod, inspect.isclass):
+            if getattr(cls, "__module__", "") == mod.__name__:
+                fns += [f for f in vars(cls).values() if inspect.isfunction(f)]
+        for fn in fns:
+            try:
+                src = textwrap.dedent(inspect.getsource(fn))
+            except (OSError, TypeError):
+                continue
+            if not 5 <= src.count("\n") <= 30 or len(src) > 600 or src in seen:
+                continue
+            seen.add(src)
+            for form in rng.sample(CODE_READ_FORMS, rng.choice((1, 2))):
+                out.append(("code-read", f"{form}\n\n```python\n{src}```"))
+    return out
+
+
+def _pool_v3(seed: int) -> list[tuple[str, str]]:
+    rng = random.Random(seed + 2)
+    pool = _code_read_prompts(rng)
+    topics = TOPICS + MORE_TOPICS
+    for t in topics:
+        pool += [("explain", f.format(t=t)) for f in rng.sample(EXPLAIN_FORMS_V3, 2)]
+    for form in WRITING_FORMS:
+        pool += [("writing", f"Write {form} about {x} in {rng.choice(TONES)} tone.") for x in rng.sample(CHAT_X + topics, 10)]
+    for role in ROLES:
+        pool += [("roleplay", f"You are {role}. {q}") for q in rng.sample(ROLE_QUESTIONS, 3)]
+    for task in SNIPPET_TASKS:
+        pool += [("code", f"Write a {lang} program to {task}. Explain each part.") for lang in rng.sample(CODE_LANGS, 3)]
+    pool += [("reasoning", _reasoning(rng)) for _ in range(400)]
+    pool += [("extraction", _extraction(rng)) for _ in range(150)]
+    pool += [("math", _arithmetic(rng)) for _ in range(300)]
     rng.shuffle(pool)
     return pool
