@@ -332,3 +332,25 @@ def test_first_prompt_pool_is_frozen():
 
     templated = [x for x in _pool_v1(0) if x[0] != "code-stdlib"]
     assert hashlib.sha256(json.dumps(templated).encode()).hexdigest()[:16] == "5f0d244d12ee2466"
+
+
+def test_init_from_fine_tunes_a_saved_drafter(trained, data_dir, tmp_path):
+    src = trained["dflow"] / "drafter"
+    out = tmp_path / "ft"
+    args = [*TRAIN, "--data-dir", str(data_dir), "--objective", "dflow", "--lr", "1e-3", "--eval-every", "10",
+            "--ckpt-every", "5", "--init-from", str(src)]
+    r = _cli("train", *args, "--out-dir", str(out), "--steps", "50")
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = _log(out)
+    # the source's 40 steps are carried, then 10 more on a schedule of their own (back up, then down again)
+    assert [x["step"] for x in log] == list(range(1, 51))
+    assert log[:40] == _log(trained["dflow"])
+    assert log[39]["lr"] < log[40]["lr"] > log[-1]["lr"] and "eval_tau_flow" in log[-1]
+    w0, w1 = load_file(src / "model.safetensors"), load_file(out / "drafter" / "model.safetensors")
+    assert w0["draft_vocab"].equal(w1["draft_vocab"]) and any(not torch.equal(w0[k], w1[k]) for k in w0)
+    cfg = json.loads((out / "drafter" / "training_config.json").read_text())
+    assert cfg["init_from"] == str(src) and cfg["steps"] == 50
+    # bad input: a drafter of the other objective, or no steps left to train
+    _error(_cli("train", *args[:-1], str(trained["dflash"] / "drafter"), "--out-dir", str(tmp_path / "x"),
+                "--steps", "50"), "--init-from", "another shape", "flow")
+    _error(_cli("train", *args, "--out-dir", str(tmp_path / "y"), "--steps", "40"), "trained 40 steps", "more than 40")

@@ -24,7 +24,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..drafter.defaults import untrained_config
-from ..drafter.io import build_drafter, save_drafter
+from ..drafter.io import build_drafter, load_drafter, save_drafter
 from ..drafter.model import DFlowDrafter
 from ..errors import UserError
 from ..targets import load_target
@@ -60,6 +60,7 @@ class TrainConfig:
     seed: int = 0
     threads: int = 0  # 0: leave torch's default
     states: str = "auto"  # auto: read <data_dir>/states when it fits this run (`dflow-trt cache-states`); off
+    init_from: str = ""  # a saved drafter to fine-tune: its weights and log; steps count on from its last step
 
     def __post_init__(self):
         if self.objective not in ("dflash", "dflow"):
@@ -160,17 +161,37 @@ def _collate(seqs: list[Sequence], max_len: int) -> Batch:
     return Batch(ids=ids, lens=torch.tensor(lens), prompt_lens=torch.tensor(plens), seq_ids=[s.id for s in seqs])
 
 
-def _lr_at(step: int, cfg: TrainConfig) -> float:
-    warm = max(1, int(cfg.warmup_frac * cfg.steps))
+def _lr_at(step: int, cfg: TrainConfig, base: int = 0) -> float:
+    """Warm-up then cosine over this run's own steps (from `base`, the step a fine-tune starts at)."""
+    step, total = step - base, cfg.steps - base
+    warm = max(1, int(cfg.warmup_frac * total))
     if step < warm:
         return cfg.lr * (step + 1) / warm
-    t = (step - warm) / max(1, cfg.steps - warm)
+    t = (step - warm) / max(1, total - warm)
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
 
 
 def _run_identity(cfg: dict) -> dict:
     """Settings a resumed run must share (steps may grow; logging cadence may change)."""
     return {k: v for k, v in cfg.items() if k not in ("steps", "eval_every", "ckpt_every", "threads", "eval_seqs", "states")}
+
+
+def _init_from(path: str, target: HFTarget, drafter: DFlowDrafter, cfg: TrainConfig) -> tuple[list, int]:
+    """Copy a saved drafter's weights into `drafter`; -> (its training log, its last step)."""
+    src = load_drafter(path, target)  # also checks it was trained for this target
+    mine, theirs = (dict(vars(c), extra=None) for c in (drafter.config, src.config))
+    diff = sorted(k for k in mine if mine[k] != theirs[k])
+    if diff:
+        raise UserError(f"--init-from {path} is a drafter of another shape ({', '.join(diff)} differ from this "
+                        f"run's --objective {cfg.objective}); fine-tune it with its own objective and sizes")
+    drafter.load_state_dict(src.state_dict())
+    log_file = Path(path) / "train_log.jsonl"
+    log = [json.loads(line) for line in log_file.read_text().splitlines() if line] if log_file.is_file() else []
+    base = log[-1]["step"] if log else 0
+    if cfg.steps <= base:
+        raise UserError(f"--init-from {path} has trained {base} steps already; --steps counts on from there, "
+                        f"so pass more than {base}")
+    return log, base
 
 
 def _gather_states(rng_state, gen_state, distributed: bool, world: int) -> list:
@@ -247,23 +268,26 @@ def train(cfg: TrainConfig) -> Path:
                          "extra": {"name": f"{cfg.target}-{cfg.objective}", "objective": cfg.objective}})
     drafter = build_drafter(probe, dcfg, seed=cfg.seed)
     ck = _load_ckpt(ckpt_path) if ckpt_path.exists() else None
+    step, log, base = 0, [], 0
     if ck is not None:
         if _run_identity(ck["config"]) != _run_identity(asdict(cfg)) or ck.get("world") != world:
             raise UserError(f"{ckpt_path} was written by a run with another config or process count; "
                             f"use another --out-dir or the same settings")
         drafter.load_state_dict(ck["drafter"])  # its draft vocabulary too: kept when the data set has grown since
+    elif cfg.init_from:
+        log, base = _init_from(cfg.init_from, probe, drafter, cfg)
+        step = base
     else:
         drafter.draft_vocab.copy_(_draft_vocab(train_seqs, cfg.draft_vocab_size, probe.info.vocab_size,
                                                probe.info.eos_token_ids))
     obj = Objective(drafter, probe, cfg, _state_cache(cfg, probe, train_seqs + heldout, rank)).to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    step, log = 0, []
     rng = random.Random(cfg.seed * 1000 + rank)  # which sequences each step trains on
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + rank)  # where the anchors fall
     if ck is not None:
         opt.load_state_dict(ck["optimizer"])
-        step, log = ck["step"], ck["log"]
+        step, log, base = ck["step"], ck["log"], ck.get("base", 0)
         rng.setstate(ck["rng"][rank])
         gen.set_state(ck["gen"][rank])
         if rank == 0:
@@ -274,7 +298,7 @@ def train(cfg: TrainConfig) -> Path:
     t0 = time.perf_counter()
     while step < cfg.steps:
         for g in opt.param_groups:
-            g["lr"] = _lr_at(step, cfg)
+            g["lr"] = _lr_at(step, cfg, base)
         batch = _collate(rng.sample(mine, min(cfg.seqs_per_step, len(mine))), cfg.max_len)
         loss, first, second = model(batch, gen)
         opt.zero_grad(set_to_none=True)
@@ -295,7 +319,7 @@ def train(cfg: TrainConfig) -> Path:
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
             states = _gather_states(rng.getstate(), gen.get_state(), distributed, world)
             if rank == 0:
-                _save_ckpt(ckpt_path, {"config": asdict(cfg), "world": world, "step": step, "log": log,
+                _save_ckpt(ckpt_path, {"config": asdict(cfg), "world": world, "step": step, "base": base, "log": log,
                                        "drafter": drafter.state_dict(), "optimizer": opt.state_dict(),
                                        "rng": [s[0] for s in states], "gen": [s[1] for s in states]})
     bar.close()
