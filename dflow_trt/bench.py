@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,7 +134,8 @@ def _plot(report: dict, path: Path) -> None:
 def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], datasets: list[str], num_prompts: int,
               max_new_tokens: int, chat: bool, block_size: int | None, json_out: str | None,
               plot_out: str | None = None, verify_threshold: float = 0.0) -> int:
-    console = Console(stderr=False)
+    # a log file gets the whole table: rich would wrap its nine columns at 80 when not on a terminal
+    console = Console(width=None if sys.stdout.isatty() else 160)
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise UserError(f"unknown mode(s) {bad}; use a comma list of {','.join(MODES)}")
