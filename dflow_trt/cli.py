@@ -102,7 +102,8 @@ def cmd_make_data(a: argparse.Namespace) -> int:
     from .training.data import generate_dataset
 
     target = load_target(a.target, num_taps=0)
-    print(generate_dataset(target, a.data_dir, a.num_prompts, a.max_new_tokens, a.batch_size, seed=a.seed))
+    print(generate_dataset(target, a.data_dir, a.num_prompts, a.max_new_tokens, a.batch_size, seed=a.seed,
+                           first_prompt=a.first_prompt))
     return 0
 
 
@@ -209,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--max-new-tokens", type=int, default=128)
     m.add_argument("--batch-size", type=int, default=16)
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--first-prompt", type=int, default=0,
+                   help="start this far down the prompt order (fresh prompts for a fine-tune)")
     m.set_defaults(func=cmd_make_data)
 
     s = sub.add_parser("cache-states", help="run the target once over the training data and store its states")

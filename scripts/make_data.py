@@ -15,10 +15,13 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=1024)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--first-prompt", type=int, default=0,
+                    help="start this far down the prompt order (fresh prompts for a fine-tune)")
     a = ap.parse_args()
     try:
         target = load_target(a.target, num_taps=0)
-        print(generate_dataset(target, a.data_dir, a.num_prompts, a.max_new_tokens, a.batch_size))
+        print(generate_dataset(target, a.data_dir, a.num_prompts, a.max_new_tokens, a.batch_size,
+                               first_prompt=a.first_prompt))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -75,6 +75,27 @@ def test_dataset_manifest_and_heldout(data_dir, tiny_qwen3):
     assert before == {p.name: p.stat().st_mtime_ns for p in data_dir.glob("shard-*.jsonl")}
 
 
+def test_dataset_of_fresh_prompts_starts_further_down(tiny_qwen3, data_dir, tmp_path):
+    from dflow_trt.errors import UserError
+    from dflow_trt.training.data import load_dataset
+
+    d = tmp_path / "fresh"
+    generate_dataset(tiny_qwen3, d, num_prompts=16, max_new_tokens=8, batch_size=8, shard_size=8, heldout_every=8,
+                     first_prompt=40)
+    train, heldout = load_dataset(d, tiny_qwen3)
+    assert sorted(s.id for s in train + heldout) == list(range(40, 56))  # the prompts' own ids
+    assert [s.id for s in heldout] == [40, 48]  # the same held-out rule as a data set from the start
+    # the prompt at id 40 is the one the first data set (48 prompts) holds under that id
+    first = {s.id: s.prompt_ids for s in sum(load_dataset(data_dir, tiny_qwen3), [])}
+    assert heldout[0].prompt_ids == first[40]
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["first_prompt"] == 40 and m["num_prompts"] == 16
+    with pytest.raises(UserError, match="first_prompt: 40 vs 0"):  # another start is another data set
+        generate_dataset(tiny_qwen3, d, num_prompts=16, max_new_tokens=8, batch_size=8, shard_size=8, heldout_every=8)
+    with pytest.raises(UserError, match="leaves none"):
+        generate_dataset(tiny_qwen3, tmp_path / "none", num_prompts=4, first_prompt=10**6)
+
+
 @pytest.mark.parametrize("objective", ["dflash", "dflow"])
 def test_training_learns_and_decodes_losslessly(trained, objective, tiny_qwen3):
     out = trained[objective]

@@ -8,7 +8,9 @@ Format of `<data_dir>/`:
   (token ids of the chat-templated prompt and of the target's greedy response).
 Generation is resumable: shards already written (complete, renamed into place) are skipped. A data
 set can grow: rerun with a larger `--num-prompts` (the prompt order is prefix-stable); complete
-shards are kept, a short last shard is regenerated whole.
+shards are kept, a short last shard is regenerated whole. `first_prompt` > 0 starts the data set
+further down the same order (ids stay the prompts' own): fresh prompts for fine-tuning a drafter
+trained on the first ones.
 """
 
 from __future__ import annotations
@@ -46,19 +48,26 @@ def _chat(tokenizer, text: str) -> list[int]:
 
 
 def generate_dataset(target: HFTarget, out_dir: Path, num_prompts: int, max_new_tokens: int = 128,
-                     batch_size: int = 16, shard_size: int = 64, heldout_every: int = 20, seed: int = 0) -> Path:
+                     batch_size: int = 16, shard_size: int = 64, heldout_every: int = 20, seed: int = 0,
+                     first_prompt: int = 0) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = out_dir / "manifest.json"
-    prompts = build_prompts(num_prompts, seed=seed)
+    if first_prompt < 0 or num_prompts < 1:
+        raise UserError(f"--first-prompt must be >= 0 and --num-prompts >= 1 (got {first_prompt}, {num_prompts})")
+    prompts = build_prompts(first_prompt + num_prompts, seed=seed)[first_prompt:]
+    if not prompts:
+        raise UserError(f"the prompt set has {len(build_prompts(first_prompt, seed=seed))} prompts, so "
+                        f"--first-prompt {first_prompt} leaves none; use a smaller --first-prompt")
     settings = {"format": FORMAT, "target": target.info.name, "target_fingerprint": target.info.fingerprint,
                 "tokenizer_fingerprint": tokenizer_fingerprint(target.tokenizer), "max_new_tokens": max_new_tokens,
                 "decoding": "greedy", "num_prompts": len(prompts), "seed": seed, "shard_size": shard_size,
-                "heldout_every": heldout_every}
+                "heldout_every": heldout_every, "first_prompt": first_prompt}
     if manifest_path.exists():
         old = json.loads(manifest_path.read_text())
         old.setdefault("tokenizer_fingerprint", settings["tokenizer_fingerprint"])  # caches made before it was recorded
         old.setdefault("shard_size", 64)  # likewise (64 was the only size then)
+        old.setdefault("first_prompt", 0)  # likewise (data sets started at the first prompt)
         differ = [k for k in settings if k != "num_prompts" and old.get(k) != settings[k]]
         if differ:
             what = ", ".join(f"{k}: {old.get(k)} vs {settings[k]}" for k in differ)
