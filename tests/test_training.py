@@ -371,7 +371,53 @@ def test_init_from_fine_tunes_a_saved_drafter(trained, data_dir, tmp_path):
     assert w0["draft_vocab"].equal(w1["draft_vocab"]) and any(not torch.equal(w0[k], w1[k]) for k in w0)
     cfg = json.loads((out / "drafter" / "training_config.json").read_text())
     assert cfg["init_from"] == str(src) and cfg["steps"] == 50
-    # bad input: a drafter of the other objective, or no steps left to train
-    _error(_cli("train", *args[:-1], str(trained["dflash"] / "drafter"), "--out-dir", str(tmp_path / "x"),
-                "--steps", "50"), "--init-from", "another shape", "flow")
+    # bad input: a DFlow drafter for a DFlash run, or no steps left to train
+    dflash_args = [*TRAIN, "--data-dir", str(data_dir), "--objective", "dflash", "--init-from", str(src)]
+    _error(_cli("train", *dflash_args, "--out-dir", str(tmp_path / "x"), "--steps", "50"),
+           "--init-from", "another shape", "flow")
     _error(_cli("train", *args, "--out-dir", str(tmp_path / "y"), "--steps", "40"), "trained 40 steps", "more than 40")
+
+
+def test_dflash_drafter_starts_a_dflow_run_unchanged(trained, data_dir, tiny_qwen3, tmp_path):
+    """A DFlash drafter may start a DFlow run: the flow branch starts silent, so the upgraded
+    drafter drafts exactly what the DFlash one does, with or without flow; training then grows it."""
+    from dflow_trt.decoding.interfaces import FlowState
+    from dflow_trt.training.trainer import TrainConfig, _init_from
+    from dflow_trt.drafter.defaults import untrained_config
+    from dflow_trt.drafter.io import build_drafter
+
+    src_dir = trained["dflash"] / "drafter"
+    src = load_drafter(src_dir, tiny_qwen3)
+    cfg = untrained_config(tiny_qwen3, flow=True, block_size=4, num_layers=src.config.num_layers)
+    cfg = type(cfg)(**{**cfg.__dict__, "draft_vocab_size": 64})
+    up = build_drafter(tiny_qwen3, cfg, seed=1)
+    log, base = _init_from(str(src_dir), tiny_qwen3, up, TrainConfig(objective="dflow", steps=50))
+    assert base == 40 and log == _log(trained["dflash"])
+    g = torch.Generator().manual_seed(0)
+    taps = torch.randn(2, 9, cfg.feature_size, generator=g)
+    block = torch.randint(0, 64, (2, 4), generator=g)
+    flow = FlowState(taps=torch.randn(2, 4, cfg.feature_size, generator=g), token_ids=block.flip(1),
+                     hint_ids=block, valid=torch.tensor([[True, True, True, False], [True, False, False, False]]))
+    pos, mask = torch.arange(9, 13).expand(2, 4), torch.ones(2, 4, 13, dtype=torch.bool)
+
+    def logits(m, f):
+        kv = m.context_kv(taps, torch.arange(9).expand(2, 9))
+        return m.draft_logits(m.hidden(m.block_inputs(block, f), pos, kv, mask))
+
+    with torch.no_grad():
+        ref = logits(src, None)
+        assert torch.equal(logits(up, None), ref) and torch.equal(logits(up, flow), ref)
+    # the CLI run: the DFlash log is carried, the flow branch learns, decoding stays lossless
+    out = tmp_path / "up"
+    r = _cli("train", *TRAIN, "--data-dir", str(data_dir), "--objective", "dflow", "--lr", "3e-3", "--eval-every",
+             "10", "--init-from", str(src_dir), "--out-dir", str(out), "--steps", "50")
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = _log(out)
+    assert log[:40] == _log(trained["dflash"]) and "eval_tau_flow" in log[-1] and "eval_tau_flow" not in log[39]
+    w = load_file(out / "drafter" / "model.safetensors")
+    assert w["hint_gate"].abs().item() > 0 and w["flow_norm.weight"].abs().max() > 0
+    dr = TorchDrafter(load_drafter(out / "drafter", tiny_qwen3))
+    for prompt in ("def add(a, b):", "Explain gravity."):
+        ids = chat_ids(tiny_qwen3, prompt)
+        ref_ids = generate(tiny_qwen3, None, [ids], "ar", 24).token_ids
+        assert generate(tiny_qwen3, dr, [ids], "dflow", 24).token_ids == ref_ids

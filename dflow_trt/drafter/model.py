@@ -123,6 +123,14 @@ class DFlowDrafter(nn.Module):
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=std)
 
+    @torch.no_grad()
+    def silence_flow(self) -> None:
+        """Make the flow branch add exactly zero, so this DFlow drafter computes what its DFlash
+        weights alone do; training grows the branch from there (every piece still has a gradient:
+        the norm's gain, the token projection and the hint gate start at zero, not the inputs)."""
+        for t in (self.flow_norm.weight, self.flow_tok_proj.weight, self.hint_gate, self.flow_present, self.no_flow):
+            t.zero_()
+
     # ---- pieces used by inference (per round) and training (many blocks at once) ----
 
     def context_kv(self, ctx_taps: torch.Tensor, ctx_pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -60,7 +60,7 @@ class TrainConfig:
     seed: int = 0
     threads: int = 0  # 0: leave torch's default
     states: str = "auto"  # auto: read <data_dir>/states when it fits this run (`dflow-trt cache-states`); off
-    init_from: str = ""  # a saved drafter to fine-tune: its weights and log; steps count on from its last step
+    init_from: str = ""  # a saved drafter to fine-tune (or a DFlash one to start a DFlow run): its weights and log; steps count on from its last step
 
     def __post_init__(self):
         if self.objective not in ("dflash", "dflow"):
@@ -177,14 +177,23 @@ def _run_identity(cfg: dict) -> dict:
 
 
 def _init_from(path: str, target: HFTarget, drafter: DFlowDrafter, cfg: TrainConfig) -> tuple[list, int]:
-    """Copy a saved drafter's weights into `drafter`; -> (its training log, its last step)."""
+    """Copy a saved drafter's weights into `drafter`; -> (its training log, its last step).
+
+    A DFlash drafter may start a DFlow run: its weights are the shared part, and the flow branch
+    starts silent (`silence_flow`), so step 0 drafts exactly as the DFlash drafter does.
+    """
     src = load_drafter(path, target)  # also checks it was trained for this target
     mine, theirs = (dict(vars(c), extra=None) for c in (drafter.config, src.config))
-    diff = sorted(k for k in mine if mine[k] != theirs[k])
-    if diff:
-        raise UserError(f"--init-from {path} is a drafter of another shape ({', '.join(diff)} differ from this "
-                        f"run's --objective {cfg.objective}); fine-tune it with its own objective and sizes")
-    drafter.load_state_dict(src.state_dict())
+    upgrade = drafter.config.flow and not src.config.flow  # DFlash -> DFlow
+    diff = sorted(k for k in mine if mine[k] != theirs[k] and not (upgrade and k == "flow"))
+    if diff or (src.config.flow and not drafter.config.flow):
+        raise UserError(f"--init-from {path} is a drafter of another shape ({', '.join(diff or ['flow'])} differ "
+                        f"from this run's --objective {cfg.objective}); fine-tune it with its own objective and "
+                        f"sizes (a DFlash drafter may also start a DFlow run)")
+    missing, unexpected = drafter.load_state_dict(src.state_dict(), strict=not upgrade)
+    assert not unexpected and all(k.startswith(("flow_", "no_flow", "hint_")) for k in missing), (missing, unexpected)
+    if upgrade:
+        drafter.silence_flow()
     log_file = Path(path) / "train_log.jsonl"
     log = [json.loads(line) for line in log_file.read_text().splitlines() if line] if log_file.is_file() else []
     base = log[-1]["step"] if log else 0
