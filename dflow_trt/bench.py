@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
@@ -34,6 +34,14 @@ class ModeRun:
     drafter: str
     block_size: int
     verified: int = 0  # drafts sent to the target over all rounds
+    rounds_per_prompt: list[int] = field(default_factory=list)  # slices `acceptance` by prompt
+
+    def prompt_taus(self) -> list[float]:
+        out, i = [], 0
+        for n in self.rounds_per_prompt:
+            out.append(sum(self.acceptance[i:i + n]) / max(1, n))
+            i += n
+        return out
 
     @property
     def tau(self) -> float:
@@ -63,16 +71,17 @@ def run_mode(target_name: str, drafter_path: str | None, mode: str, prompts: lis
              verify_threshold: float = 0.0) -> ModeRun:
     target, model = load_target_and_drafter(target_name, drafter_path, mode, warn=warn, target=target)
     drafter = TorchDrafter(model, block_size) if model is not None else None
-    tokens, accept, secs, verified = [], [], 0.0, 0
+    tokens, accept, secs, verified, rounds = [], [], 0.0, 0, []
     for p in tqdm(prompts, desc=mode, leave=False):
         r = generate(target, drafter, [p], mode, max_new_tokens, stop_token_ids=stop_token_ids,
                      verify_threshold=verify_threshold)
         tokens.append(r.token_ids[0])
         accept += r.acceptance_lengths[0]
+        rounds.append(len(r.acceptance_lengths[0]))
         secs += r.total_s
         verified += r.verified_drafts
     name = "-" if model is None else model.config.extra.get("name", Path(drafter_path or "untrained").name)
-    return ModeRun(tokens, accept, secs, name, drafter.block_size if drafter else 1, verified)
+    return ModeRun(tokens, accept, secs, name, drafter.block_size if drafter else 1, verified, rounds)
 
 
 def _summary(runs: dict[str, ModeRun]) -> dict:
@@ -89,6 +98,20 @@ def _summary(runs: dict[str, ModeRun]) -> dict:
     return out
 
 
+def _paired(runs: dict[str, ModeRun]) -> dict | None:
+    """DFlow against DFlash on the same prompts: both decode the same tokens, so the per-prompt
+    τ difference is a paired sample; its standard error is over prompts, which are independent."""
+    a, b = runs.get("dflash"), runs.get("dflow")
+    if a is None or b is None or len(a.rounds_per_prompt) != len(b.rounds_per_prompt):
+        return None
+    d = [y - x for x, y in zip(a.prompt_taus(), b.prompt_taus())]
+    n = len(d)
+    mean = sum(d) / n
+    se = (sum((x - mean) ** 2 for x in d) / (n - 1) / n) ** 0.5 if n > 1 else 0.0
+    return {"tau_diff_mean": mean, "tau_diff_se": se, "prompts": n,
+            "dflow_ahead": sum(x > 0 for x in d), "dflash_ahead": sum(x < 0 for x in d)}
+
+
 def _merge(per_dataset: dict[str, dict[str, ModeRun]]) -> dict[str, ModeRun]:
     merged: dict[str, ModeRun] = {}
     for runs in per_dataset.values():
@@ -98,6 +121,7 @@ def _merge(per_dataset: dict[str, dict[str, ModeRun]]) -> dict[str, ModeRun]:
             m.acceptance += r.acceptance
             m.seconds += r.seconds
             m.verified += r.verified
+            m.rounds_per_prompt += r.rounds_per_prompt
     return merged
 
 
@@ -155,7 +179,8 @@ def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], da
                              for m in modes}
     report = {"target": target, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "chat": chat,
               "decoding": "greedy", "verify_threshold": verify_threshold, "modes": _summary(_merge(per_dataset)),
-              "datasets": {d: {"modes": _summary(r)} for d, r in per_dataset.items()}}
+              "dflow_vs_dflash": _paired(_merge(per_dataset)),
+              "datasets": {d: {"modes": _summary(r), "dflow_vs_dflash": _paired(r)} for d, r in per_dataset.items()}}
     for d, r in [*report["datasets"].items(), ("all", report)]:
         verify = f" · verify threshold {verify_threshold:g}" if verify_threshold else ""
         t = Table(title=f"{target} · {d} · greedy · {num_prompts} prompts × {max_new_tokens} tokens{verify}")
@@ -166,6 +191,10 @@ def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], da
             t.add_row(m, s["drafter"], str(s["block_size"]), f"{s['drafts_verified_per_round']:.1f}", f"{s['tau']:.3f} ± {s['tau_se']:.3f}",
                       pos, f"{s['tokens_per_s']:.1f}", f"{s['speedup_vs_ar']:.2f}x", "yes" if s["matches_ar"] else "NO")
         console.print(t)
+        if r.get("dflow_vs_dflash"):
+            pd = r["dflow_vs_dflash"]
+            console.print(f"dflow − dflash, per prompt: τ {pd['tau_diff_mean']:+.3f} ± {pd['tau_diff_se']:.3f}; "
+                          f"dflow ahead on {pd['dflow_ahead']} of {pd['prompts']} prompts, dflash on {pd['dflash_ahead']}")
     if json_out:
         out = Path(json_out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -28,8 +28,9 @@ def main() -> int:
         log = [json.loads(x) for x in (d / "train_log.jsonl").read_text().splitlines() if x.strip()]
         ev = [r for r in log if "eval_tau_noflow" in r]
         ax.plot([r["step"] for r in ev], [r["eval_tau_noflow"] for r in ev], marker="o", label=f"{d.name}: no flow")
-        if any("eval_tau_flow" in r for r in ev):
-            ax.plot([r["step"] for r in ev], [r["eval_tau_flow"] for r in ev], marker="s",
+        fl = [r for r in ev if "eval_tau_flow" in r]  # a DFlow run started from a DFlash drafter has it later
+        if fl:
+            ax.plot([r["step"] for r in fl], [r["eval_tau_flow"] for r in fl], marker="s",
                     label=f"{d.name}: with verifier flow")
         prev = None  # where a run went on with a grown data set (logs record train_seqs since)
         for i, r in enumerate(ev):

@@ -69,6 +69,9 @@ def test_bench_reports_every_mode(tmp_path):
     assert len(rep["modes"]["dflow"]["acceptance_by_position"]) == 3
     assert rep["modes"]["dflow"]["drafts_verified_per_round"] == 3 and rep["modes"]["ar"]["drafts_verified_per_round"] == 0
     assert out.with_suffix(".png").stat().st_size > 0
+    pd = rep["dflow_vs_dflash"]  # paired over the 2 prompts
+    assert pd["prompts"] == 2 and pd["dflow_ahead"] + pd["dflash_ahead"] <= 2 and pd["tau_diff_se"] >= 0
+    assert "dflow − dflash, per prompt" in r.stdout
     # a verify threshold keeps the tokens and sends fewer drafts
     r = _cli("bench", "--target", "tiny-qwen3", "--dataset", str(prompts), "--num-prompts", "2", "--modes", "dflow",
              "--max-new-tokens", "12", "--block-size", "4", "--verify-threshold", "0.5", "--json-out", str(out))
@@ -113,3 +116,18 @@ def test_bench_tau_standard_error():
     r = ModeRun(tokens=[[0] * 6], acceptance=[1, 2, 3], seconds=1.0, drafter="d", block_size=4)
     assert r.tau == 2 and r.tau_se == pytest.approx((1 / 3) ** 0.5)  # sample variance 1 over 3 rounds
     assert ModeRun([[0]], [2], 1.0, "d", 4).tau_se == 0.0
+
+
+def test_bench_pairs_dflow_with_dflash_per_prompt():
+    from dflow_trt.bench import ModeRun, _paired
+
+    # prompt τs: dflash 2, 1, 3; dflow 3, 1, 2.5 -> differences +1, 0, -0.5
+    a = ModeRun([[0]] * 3, [2, 2, 1, 1, 3], 1.0, "a", 4, rounds_per_prompt=[2, 2, 1])
+    b = ModeRun([[0]] * 3, [3, 1, 1, 2, 3], 1.0, "b", 4, rounds_per_prompt=[1, 2, 2])
+    p = _paired({"dflash": a, "dflow": b})
+    assert p["tau_diff_mean"] == pytest.approx(0.5 / 3) and p["prompts"] == 3
+    assert (p["dflow_ahead"], p["dflash_ahead"]) == (1, 1)
+    d = [1, 0, -0.5]
+    m = sum(d) / 3
+    assert p["tau_diff_se"] == pytest.approx((sum((x - m) ** 2 for x in d) / 2 / 3) ** 0.5)
+    assert _paired({"dflash": a}) is None

@@ -371,6 +371,9 @@ def test_init_from_fine_tunes_a_saved_drafter(trained, data_dir, tmp_path):
     assert w0["draft_vocab"].equal(w1["draft_vocab"]) and any(not torch.equal(w0[k], w1[k]) for k in w0)
     cfg = json.loads((out / "drafter" / "training_config.json").read_text())
     assert cfg["init_from"] == str(src) and cfg["steps"] == 50
+    stages = json.loads((out / "drafter" / "earlier_stages.json").read_text())  # what the source trained on
+    assert stages == [{"training_config": json.loads((src / "training_config.json").read_text()),
+                       "data_manifest": json.loads((src / "data_manifest.json").read_text())}]
     # bad input: a DFlow drafter for a DFlash run, or no steps left to train
     dflash_args = [*TRAIN, "--data-dir", str(data_dir), "--objective", "dflash", "--init-from", str(src)]
     _error(_cli("train", *dflash_args, "--out-dir", str(tmp_path / "x"), "--steps", "50"),

@@ -203,6 +203,17 @@ def _init_from(path: str, target: HFTarget, drafter: DFlowDrafter, cfg: TrainCon
     return log, base
 
 
+EARLIER = "earlier_stages.json"
+
+
+def earlier_stages(src: Path) -> list[dict]:
+    """The training configs and data manifests of a drafter and the drafters it started from,
+    oldest first, so a fine-tuned drafter keeps the record of every data set it saw."""
+    read = lambda name: json.loads((src / name).read_text()) if (src / name).is_file() else None  # noqa: E731
+    return (read(EARLIER) or []) + [{"training_config": read("training_config.json"),
+                                     "data_manifest": read("data_manifest.json")}]
+
+
 def _gather_states(rng_state, gen_state, distributed: bool, world: int) -> list:
     if not distributed:
         return [(rng_state, gen_state)]
@@ -335,9 +346,11 @@ def train(cfg: TrainConfig) -> Path:
     final = out / "drafter"
     if rank == 0:
         logtxt = "\n".join(json.dumps(r) for r in log) + "\n"
-        save_drafter(drafter, final, extra_files={
-            "training_config.json": json.dumps(asdict(cfg), indent=2) + "\n", "train_log.jsonl": logtxt,
-            "data_manifest.json": (Path(cfg.data_dir) / "manifest.json").read_text()})
+        files = {"training_config.json": json.dumps(asdict(cfg), indent=2) + "\n", "train_log.jsonl": logtxt,
+                 "data_manifest.json": (Path(cfg.data_dir) / "manifest.json").read_text()}
+        if cfg.init_from:
+            files[EARLIER] = json.dumps(earlier_stages(Path(cfg.init_from)), indent=1) + "\n"
+        save_drafter(drafter, final, extra_files=files)
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
