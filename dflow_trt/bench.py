@@ -26,6 +26,15 @@ from .prompting import encode_prompt
 MODES = ("ar", "dflash", "dflow")
 
 
+def _standard_error(xs: list[float]) -> float:
+    """Standard error of the mean of xs (sample variance; 0 for fewer than two values)."""
+    n = len(xs)
+    if n < 2:
+        return 0.0
+    mean = sum(xs) / n
+    return (sum((x - mean) ** 2 for x in xs) / (n - 1) / n) ** 0.5
+
+
 @dataclass
 class ModeRun:
     tokens: list[list[int]]
@@ -50,11 +59,7 @@ class ModeRun:
     @property
     def tau_se(self) -> float:
         """Standard error of τ over rounds (rounds of one prompt are not independent: a lower bound)."""
-        n = len(self.acceptance)
-        if n < 2:
-            return 0.0
-        var = sum((a - self.tau) ** 2 for a in self.acceptance) / (n - 1)
-        return (var / n) ** 0.5
+        return _standard_error(self.acceptance)
 
     @property
     def tokens_per_s(self) -> float:
@@ -106,9 +111,7 @@ def _paired(runs: dict[str, ModeRun]) -> dict | None:
         return None
     d = [y - x for x, y in zip(a.prompt_taus(), b.prompt_taus())]
     n = len(d)
-    mean = sum(d) / n
-    se = (sum((x - mean) ** 2 for x in d) / (n - 1) / n) ** 0.5 if n > 1 else 0.0
-    return {"tau_diff_mean": mean, "tau_diff_se": se, "prompts": n,
+    return {"tau_diff_mean": sum(d) / n, "tau_diff_se": _standard_error(d), "prompts": n,
             "dflow_ahead": sum(x > 0 for x in d), "dflash_ahead": sum(x < 0 for x in d)}
 
 
@@ -177,9 +180,10 @@ def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], da
                                          warn=lambda s: console.print(f"[yellow]{s}"), target=loaded,
                                          verify_threshold=verify_threshold)
                              for m in modes}
+    merged = _merge(per_dataset)
     report = {"target": target, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "chat": chat,
-              "decoding": "greedy", "verify_threshold": verify_threshold, "modes": _summary(_merge(per_dataset)),
-              "dflow_vs_dflash": _paired(_merge(per_dataset)),
+              "decoding": "greedy", "verify_threshold": verify_threshold, "modes": _summary(merged),
+              "dflow_vs_dflash": _paired(merged),
               "datasets": {d: {"modes": _summary(r), "dflow_vs_dflash": _paired(r)} for d, r in per_dataset.items()}}
     for d, r in [*report["datasets"].items(), ("all", report)]:
         verify = f" · verify threshold {verify_threshold:g}" if verify_threshold else ""

@@ -186,8 +186,8 @@ def _init_from(path: str, target: HFTarget, drafter: DFlowDrafter, cfg: TrainCon
     mine, theirs = (dict(vars(c), extra=None) for c in (drafter.config, src.config))
     upgrade = drafter.config.flow and not src.config.flow  # DFlash -> DFlow
     diff = sorted(k for k in mine if mine[k] != theirs[k] and not (upgrade and k == "flow"))
-    if diff or (src.config.flow and not drafter.config.flow):
-        raise UserError(f"--init-from {path} is a drafter of another shape ({', '.join(diff or ['flow'])} differ "
+    if diff:  # DFlow -> DFlash keeps "flow" in diff
+        raise UserError(f"--init-from {path} is a drafter of another shape ({', '.join(diff)} differ "
                         f"from this run's --objective {cfg.objective}); fine-tune it with its own objective and "
                         f"sizes (a DFlash drafter may also start a DFlow run)")
     missing, unexpected = drafter.load_state_dict(src.state_dict(), strict=not upgrade)
