@@ -123,6 +123,12 @@ class DFlowDrafter(nn.Module):
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=std)
 
+    FLOW_BRANCH = ("flow_proj", "flow_norm", "flow_tok_proj", "flow_present", "no_flow", "hint_gate")
+
+    def flow_parameters(self) -> list[nn.Parameter]:
+        """The flow branch's own parameters (none for DFlash)."""
+        return [p for n, p in self.named_parameters() if n.split(".")[0] in self.FLOW_BRANCH]
+
     @torch.no_grad()
     def silence_flow(self) -> None:
         """Make the flow branch add exactly zero, so this DFlow drafter computes what its DFlash

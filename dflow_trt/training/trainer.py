@@ -51,6 +51,7 @@ class TrainConfig:
     draft_vocab_size: int | None = 8192
     max_len: int = 320
     lr: float = 6e-4
+    flow_lr_mult: float = 1.0  # DFlow: the flow branch's learning rate is lr times this (a branch grown on a trained base)
     warmup_frac: float = 0.04
     weight_decay: float = 0.01
     grad_clip: float = 1.0
@@ -67,6 +68,10 @@ class TrainConfig:
             raise UserError(f"unknown objective {self.objective!r}; use dflash or dflow")
         if self.states not in ("auto", "off"):
             raise UserError(f"unknown states setting {self.states!r}; use auto or off")
+        if self.flow_lr_mult <= 0:
+            raise UserError(f"--flow-lr-mult must be positive, got {self.flow_lr_mult}")
+        if self.flow_lr_mult != 1.0 and self.objective != "dflow":
+            raise UserError("--flow-lr-mult applies to the flow branch, which only --objective dflow has")
         if self.block_size < 2:
             raise UserError(f"block size must be at least 2, got {self.block_size}")
 
@@ -171,8 +176,19 @@ def _lr_at(step: int, cfg: TrainConfig, base: int = 0) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
 
 
+def _param_groups(drafter: DFlowDrafter, params: list[nn.Parameter], cfg: TrainConfig) -> tuple[list[dict], list[float]]:
+    """AdamW groups and each one's learning-rate multiplier: one group, or two when the flow
+    branch gets its own learning rate (`flow_lr_mult`)."""
+    if cfg.flow_lr_mult == 1.0:
+        return [{"params": params}], [1.0]
+    flow = {id(p) for p in drafter.flow_parameters()}
+    return ([{"params": [p for p in params if id(p) not in flow]}, {"params": [p for p in params if id(p) in flow]}],
+            [1.0, cfg.flow_lr_mult])
+
+
 def _run_identity(cfg: dict) -> dict:
     """Settings a resumed run must share (steps may grow; logging cadence may change)."""
+    cfg = {**cfg, "flow_lr_mult": cfg.get("flow_lr_mult", 1.0)}  # checkpoints from before the field existed
     return {k: v for k, v in cfg.items() if k not in ("steps", "eval_every", "ckpt_every", "threads", "eval_seqs", "states")}
 
 
@@ -302,7 +318,8 @@ def train(cfg: TrainConfig) -> Path:
                                                probe.info.eos_token_ids))
     obj = Objective(drafter, probe, cfg, _state_cache(cfg, probe, train_seqs + heldout, rank)).to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    groups, lr_mults = _param_groups(drafter, params, cfg)
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     rng = random.Random(cfg.seed * 1000 + rank)  # which sequences each step trains on
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + rank)  # where the anchors fall
     if ck is not None:
@@ -317,8 +334,8 @@ def train(cfg: TrainConfig) -> Path:
     bar = tqdm(total=cfg.steps, initial=step, desc=f"train {cfg.objective}", disable=rank != 0)
     t0 = time.perf_counter()
     while step < cfg.steps:
-        for g in opt.param_groups:
-            g["lr"] = _lr_at(step, cfg, base)
+        for g, mult in zip(opt.param_groups, lr_mults):
+            g["lr"] = _lr_at(step, cfg, base) * mult
         batch = _collate(rng.sample(mine, min(cfg.seqs_per_step, len(mine))), cfg.max_len)
         loss, first, second = model(batch, gen)
         opt.zero_grad(set_to_none=True)
