@@ -160,7 +160,7 @@ def _plot(report: dict, path: Path) -> None:
 
 def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], datasets: list[str], num_prompts: int,
               max_new_tokens: int, chat: bool, block_size: int | None, json_out: str | None,
-              plot_out: str | None = None, verify_threshold: float = 0.0) -> int:
+              plot_out: str | None = None, verify_threshold: float = 0.0, first_prompt: int = 0) -> int:
     # a log file gets the whole table: rich would wrap its nine columns at 80 when not on a terminal
     console = Console(width=None if sys.stdout.isatty() else 160)
     bad = [m for m in modes if m not in MODES]
@@ -168,12 +168,17 @@ def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], da
         raise UserError(f"unknown mode(s) {bad}; use a comma list of {','.join(MODES)}")
     if num_prompts < 1 or max_new_tokens < 1:
         raise UserError("--num-prompts and --max-new-tokens must be >= 1")
+    if first_prompt < 0:
+        raise UserError(f"--first-prompt must be >= 0, got {first_prompt}")
     if "ar" not in modes:
         modes = ["ar", *modes]  # speedup and the lossless check are both measured against ar
     loaded, _ = load_target_and_drafter(target, None, "ar")
     per_dataset: dict[str, dict[str, ModeRun]] = {}
     for ds in datasets:
-        texts = load_prompts(ds)[:num_prompts]
+        every = load_prompts(ds)
+        texts = every[first_prompt:first_prompt + num_prompts]
+        if not texts:
+            raise UserError(f"{ds} has {len(every)} prompts; --first-prompt {first_prompt} leaves none to bench")
         ids = [encode_prompt(loaded.tokenizer, t, chat) for t in texts]
         name = Path(ds).stem if ds.endswith(".jsonl") else ds
         per_dataset[name] = {m: run_mode(target, drafters.get(m), m, ids, max_new_tokens, block_size,
@@ -181,13 +186,14 @@ def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], da
                                          verify_threshold=verify_threshold)
                              for m in modes}
     merged = _merge(per_dataset)
-    report = {"target": target, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "chat": chat,
+    report = {"target": target, "first_prompt": first_prompt, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "chat": chat,
               "decoding": "greedy", "verify_threshold": verify_threshold, "modes": _summary(merged),
               "dflow_vs_dflash": _paired(merged),
               "datasets": {d: {"modes": _summary(r), "dflow_vs_dflash": _paired(r)} for d, r in per_dataset.items()}}
     for d, r in [*report["datasets"].items(), ("all", report)]:
         verify = f" · verify threshold {verify_threshold:g}" if verify_threshold else ""
-        t = Table(title=f"{target} · {d} · greedy · {num_prompts} prompts × {max_new_tokens} tokens{verify}")
+        which = f"prompts {first_prompt + 1}–{first_prompt + num_prompts}" if first_prompt else f"{num_prompts} prompts"
+        t = Table(title=f"{target} · {d} · greedy · {which} × {max_new_tokens} tokens{verify}")
         for c in ("mode", "drafter", "block", "verified", "τ ± se", "accept pos 1..4", "tokens/s", "speedup", "matches ar"):
             t.add_column(c, justify="right")
         for m, s in r["modes"].items():

@@ -67,7 +67,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         for m in a.modes.split(","):
             drafters[m] = a.drafter
     return run_bench(a.target, drafters, [m for m in a.modes.split(",") if m], a.dataset.split(","), a.num_prompts,
-                     a.max_new_tokens, a.chat, a.block_size, a.json_out, a.plot_out, a.verify_threshold)
+                     a.max_new_tokens, a.chat, a.block_size, a.json_out, a.plot_out, a.verify_threshold, a.first_prompt)
 
 
 def cmd_client(a: argparse.Namespace) -> int:
@@ -178,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--modes", default="ar,dflash,dflow")
     b.add_argument("--dataset", default="humaneval,mtbench", help="humaneval | mtbench | FILE.jsonl, comma list")
     b.add_argument("--num-prompts", type=int, default=10)
+    b.add_argument("--first-prompt", type=int, default=0,
+                   help="skip this many prompts of each set: --first-prompt 16 --num-prompts 16 benches prompts 17-32")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--block-size", type=int, default=None)
     b.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")

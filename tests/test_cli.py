@@ -81,6 +81,27 @@ def test_bench_reports_every_mode(tmp_path):
     assert 1 <= rep["modes"]["dflow"]["drafts_verified_per_round"] < 3
 
 
+def test_bench_first_prompt_slices_each_set(tmp_path):
+    """--first-prompt F --num-prompts N benches prompts F+1..F+N: the same run as a file of only those."""
+    texts = ["abc", "hello there", "def add(a, b):", "Once upon a time"]
+    every, tail = tmp_path / "every.jsonl", tmp_path / "tail.jsonl"
+    every.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    tail.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts[1:3]))
+    reps, stdout = [], []
+    for ds, extra in ((every, ["--first-prompt", "1"]), (tail, [])):
+        out = tmp_path / f"{ds.stem}.json"
+        r = _cli("bench", "--target", "tiny-qwen3", "--dataset", str(ds), "--num-prompts", "2", "--modes", "ar,dflow",
+                 "--max-new-tokens", "12", "--block-size", "4", "--json-out", str(out), *extra)
+        assert r.returncode == 0, r.stdout + r.stderr
+        reps.append(json.loads(out.read_text()))
+        stdout.append(r.stdout)
+    assert reps[0]["first_prompt"] == 1 and "prompts 2–3" in stdout[0]
+    for k in ("new_tokens", "tau", "acceptance_by_position"):
+        assert reps[0]["modes"]["dflow"][k] == reps[1]["modes"]["dflow"][k], k
+    _one_line_error(_cli("bench", "--target", "tiny-qwen3", "--dataset", str(every), "--first-prompt", "4"),
+                    "has 4 prompts", "--first-prompt 4")
+
+
 def test_bench_bad_dataset():
     _one_line_error(_cli("bench", "--target", "tiny-qwen3", "--dataset", "nope"), "unknown dataset")
 
