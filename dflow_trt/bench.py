@@ -45,10 +45,10 @@ class ModeRun:
     verified: int = 0  # drafts sent to the target over all rounds
     rounds_per_prompt: list[int] = field(default_factory=list)  # slices `acceptance` by prompt
 
-    def prompt_taus(self) -> list[float]:
+    def prompt_taus(self) -> list[float | None]:
         out, i = [], 0
         for n in self.rounds_per_prompt:
-            out.append(sum(self.acceptance[i:i + n]) / max(1, n))
+            out.append(sum(self.acceptance[i:i + n]) / n if n else None)  # None: done at prefill, no round
             i += n
         return out
 
@@ -97,6 +97,7 @@ def _summary(runs: dict[str, ModeRun]) -> dict:
                      "speedup_vs_ar": r.tokens_per_s / ar.tokens_per_s if ar and ar.tokens_per_s else None,
                      "matches_ar": (r.tokens == ar.tokens) if ar else None,
                      "acceptance_by_position": r.position_rates(), "rounds": len(r.acceptance),
+                     "prompt_taus": r.prompt_taus(),  # per prompt, in order: pairs runs made separately
                      "new_tokens": sum(len(t) for t in r.tokens), "seconds": r.seconds,
                      "drafts_verified_per_round": r.verified / max(1, len(r.acceptance)),
                      "drafter": r.drafter, "block_size": r.block_size}
@@ -105,12 +106,15 @@ def _summary(runs: dict[str, ModeRun]) -> dict:
 
 def _paired(runs: dict[str, ModeRun]) -> dict | None:
     """DFlow against DFlash on the same prompts: both decode the same tokens, so the per-prompt
-    τ difference is a paired sample; its standard error is over prompts, which are independent."""
+    τ difference is a paired sample; its standard error is over prompts, which are independent.
+    A prompt done at its first token (no round) has no τ and is left out."""
     a, b = runs.get("dflash"), runs.get("dflow")
     if a is None or b is None or len(a.rounds_per_prompt) != len(b.rounds_per_prompt):
         return None
-    d = [y - x for x, y in zip(a.prompt_taus(), b.prompt_taus())]
+    d = [y - x for x, y in zip(a.prompt_taus(), b.prompt_taus()) if x is not None and y is not None]
     n = len(d)
+    if n == 0:
+        return None
     return {"tau_diff_mean": sum(d) / n, "tau_diff_se": _standard_error(d), "prompts": n,
             "dflow_ahead": sum(x > 0 for x in d), "dflash_ahead": sum(x < 0 for x in d)}
 

@@ -66,11 +66,16 @@ def test_bench_reports_every_mode(tmp_path):
         assert s["matches_ar"] is True
         assert s["tau"] >= 1 and s["tokens_per_s"] > 0 and s["speedup_vs_ar"] > 0 and s["tau_se"] >= 0
     assert rep["modes"]["ar"]["tau_se"] == 0  # every ar round commits exactly one token
+    # one τ per prompt (None for a prompt that stopped at its first token: it had no round)
+    pt = rep["modes"]["ar"]["prompt_taus"]
+    assert len(pt) == 2 and all(x in (1.0, None) for x in pt)
+    assert [x is None for x in rep["modes"]["dflow"]["prompt_taus"]] == [x is None for x in pt]
     assert len(rep["modes"]["dflow"]["acceptance_by_position"]) == 3
     assert rep["modes"]["dflow"]["drafts_verified_per_round"] == 3 and rep["modes"]["ar"]["drafts_verified_per_round"] == 0
     assert out.with_suffix(".png").stat().st_size > 0
     pd = rep["dflow_vs_dflash"]  # paired over the 2 prompts
-    assert pd["prompts"] == 2 and pd["dflow_ahead"] + pd["dflash_ahead"] <= 2 and pd["tau_diff_se"] >= 0
+    n = sum(x is not None for x in pt)  # prompts with a round
+    assert pd["prompts"] == n and pd["dflow_ahead"] + pd["dflash_ahead"] <= n and pd["tau_diff_se"] >= 0
     assert "dflow − dflash, per prompt" in r.stdout
     # a verify threshold keeps the tokens and sends fewer drafts
     r = _cli("bench", "--target", "tiny-qwen3", "--dataset", str(prompts), "--num-prompts", "2", "--modes", "dflow",
@@ -96,7 +101,7 @@ def test_bench_first_prompt_slices_each_set(tmp_path):
         reps.append(json.loads(out.read_text()))
         stdout.append(r.stdout)
     assert reps[0]["first_prompt"] == 1 and "prompts 2–3" in stdout[0]
-    for k in ("new_tokens", "tau", "acceptance_by_position"):
+    for k in ("new_tokens", "tau", "acceptance_by_position", "prompt_taus"):
         assert reps[0]["modes"]["dflow"][k] == reps[1]["modes"]["dflow"][k], k
     _one_line_error(_cli("bench", "--target", "tiny-qwen3", "--dataset", str(every), "--first-prompt", "4"),
                     "has 4 prompts", "--first-prompt 4")
