@@ -207,7 +207,7 @@ def _init_from(path: str, target: HFTarget, drafter: DFlowDrafter, cfg: TrainCon
                         f"from this run's --objective {cfg.objective}); fine-tune it with its own objective and "
                         f"sizes (a DFlash drafter may also start a DFlow run)")
     missing, unexpected = drafter.load_state_dict(src.state_dict(), strict=not upgrade)
-    assert not unexpected and all(k.startswith(("flow_", "no_flow", "hint_")) for k in missing), (missing, unexpected)
+    assert not unexpected and all(k.split(".")[0] in drafter.FLOW_BRANCH for k in missing), (missing, unexpected)
     if upgrade:
         drafter.silence_flow()
     log_file = Path(path) / "train_log.jsonl"
