@@ -426,6 +426,50 @@ def test_dflash_drafter_starts_a_dflow_run_unchanged(trained, data_dir, tiny_qwe
         assert generate(tiny_qwen3, dr, [ids], "dflow", 24).token_ids == ref_ids
 
 
+def test_deeper_drafter_grows_from_a_shallower_one(trained, data_dir, tiny_qwen3, tmp_path):
+    """--init-from a drafter into a run with more --num-layers: its layers come first and the new
+    ones start silent, so step 0 drafts exactly as the source does; training then grows them, and
+    a run with fewer layers than the source is refused."""
+    from dflow_trt.training.trainer import TrainConfig, _init_from
+    from dflow_trt.drafter.defaults import untrained_config
+    from dflow_trt.drafter.io import build_drafter
+
+    src_dir = trained["dflow"] / "drafter"
+    src = load_drafter(src_dir, tiny_qwen3)
+    n = src.config.num_layers
+    cfg = untrained_config(tiny_qwen3, flow=True, block_size=4, num_layers=n + 1)
+    deep = build_drafter(tiny_qwen3, type(cfg)(**{**cfg.__dict__, "draft_vocab_size": 64}), seed=1)
+    _init_from(str(src_dir), tiny_qwen3, deep, TrainConfig(objective="dflow", steps=50))
+    g = torch.Generator().manual_seed(0)
+    taps = torch.randn(2, 9, cfg.feature_size, generator=g)
+    block = torch.randint(0, 64, (2, 4), generator=g)
+    pos, mask = torch.arange(9, 13).expand(2, 4), torch.ones(2, 4, 13, dtype=torch.bool)
+
+    def logits(m):
+        kv = m.context_kv(taps, torch.arange(9).expand(2, 9))
+        return m.draft_logits(m.hidden(m.block_inputs(block, None), pos, kv, mask))
+
+    with torch.no_grad():
+        assert torch.equal(logits(deep), logits(src))
+    out = tmp_path / "deep"
+    r = _cli("train", *TRAIN, "--data-dir", str(data_dir), "--objective", "dflow", "--lr", "3e-3", "--eval-every",
+             "10", "--num-layers", str(n + 1), "--init-from", str(src_dir), "--out-dir", str(out), "--steps", "50")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _log(out)[:40] == _log(trained["dflow"])
+    w = load_file(out / "drafter" / "model.safetensors")
+    assert w[f"layers.{n}.down_proj.weight"].abs().max() > 0 and w[f"layers.{n}.self_attn.o_proj.weight"].abs().max() > 0
+    dr = TorchDrafter(load_drafter(out / "drafter", tiny_qwen3))
+    assert dr.model.config.num_layers == n + 1
+    for prompt in ("def add(a, b):", "Explain gravity."):
+        ids = chat_ids(tiny_qwen3, prompt)
+        ref_ids = generate(tiny_qwen3, None, [ids], "ar", 24).token_ids
+        assert generate(tiny_qwen3, dr, [ids], "dflow", 24).token_ids == ref_ids
+    # bad input: the deep drafter cannot start a shallower run
+    _error(_cli("train", *TRAIN, "--data-dir", str(data_dir), "--objective", "dflow", "--num-layers", str(n),
+                "--init-from", str(out / "drafter"), "--out-dir", str(tmp_path / "x"), "--steps", "60"),
+           "--init-from", "another shape", "num_layers")
+
+
 def test_flow_branch_gets_its_own_learning_rate(trained, data_dir, tiny_qwen3, tmp_path):
     """--flow-lr-mult puts exactly the flow branch in a second AdamW group whose learning rate is
     the multiple; the branch grown from a silent start moves that much further per step."""

@@ -137,6 +137,15 @@ class DFlowDrafter(nn.Module):
         for t in (self.flow_norm.weight, self.flow_tok_proj.weight, self.hint_gate, self.flow_present, self.no_flow):
             t.zero_()
 
+    @torch.no_grad()
+    def silence_layers(self, first: int) -> None:
+        """Make layers `first`.. add exactly zero to the residual stream (their output projections
+        start at zero), so a drafter grown from a shallower one drafts as it did at step 0; their
+        attention and MLP inputs keep a random start, so training grows them from there."""
+        for layer in self.layers[first:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.down_proj.weight.zero_()
+
     # ---- pieces used by inference (per round) and training (many blocks at once) ----
 
     def context_kv(self, ctx_taps: torch.Tensor, ctx_pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -196,20 +196,29 @@ def _init_from(path: str, target: HFTarget, drafter: DFlowDrafter, cfg: TrainCon
     """Copy a saved drafter's weights into `drafter`; -> (its training log, its last step).
 
     A DFlash drafter may start a DFlow run: its weights are the shared part, and the flow branch
-    starts silent (`silence_flow`), so step 0 drafts exactly as the DFlash drafter does.
+    starts silent (`silence_flow`), so step 0 drafts exactly as the DFlash drafter does. A
+    drafter may also start a run with more layers (`--num-layers`): its layers are the first
+    ones, and the new ones on top start silent (`silence_layers`), again drafting as it did.
     """
     src = load_drafter(path, target)  # also checks it was trained for this target
     mine, theirs = (dict(vars(c), extra=None) for c in (drafter.config, src.config))
     upgrade = drafter.config.flow and not src.config.flow  # DFlash -> DFlow
-    diff = sorted(k for k in mine if mine[k] != theirs[k] and not (upgrade and k == "flow"))
-    if diff:  # DFlow -> DFlash keeps "flow" in diff
+    grow = drafter.config.num_layers > src.config.num_layers
+    diff = sorted(k for k in mine if mine[k] != theirs[k]
+                  and not (upgrade and k == "flow") and not (grow and k == "num_layers"))
+    if diff:  # DFlow -> DFlash keeps "flow" in diff, fewer layers "num_layers"
         raise UserError(f"--init-from {path} is a drafter of another shape ({', '.join(diff)} differ "
                         f"from this run's --objective {cfg.objective}); fine-tune it with its own objective and "
-                        f"sizes (a DFlash drafter may also start a DFlow run)")
-    missing, unexpected = drafter.load_state_dict(src.state_dict(), strict=not upgrade)
-    assert not unexpected and all(k.split(".")[0] in drafter.FLOW_BRANCH for k in missing), (missing, unexpected)
+                        f"sizes (a DFlash drafter may also start a DFlow run, and any drafter a run with "
+                        f"more --num-layers)")
+    missing, unexpected = drafter.load_state_dict(src.state_dict(), strict=not (upgrade or grow))
+    new_layer = lambda k: k.startswith("layers.") and int(k.split(".")[1]) >= src.config.num_layers  # noqa: E731
+    assert not unexpected and all(k.split(".")[0] in drafter.FLOW_BRANCH or new_layer(k) for k in missing), \
+        (missing, unexpected)
     if upgrade:
         drafter.silence_flow()
+    if grow:
+        drafter.silence_layers(src.config.num_layers)
     log_file = Path(path) / "train_log.jsonl"
     log = [json.loads(line) for line in log_file.read_text().splitlines() if line] if log_file.is_file() else []
     base = log[-1]["step"] if log else 0
