@@ -381,6 +381,28 @@ def test_init_from_fine_tunes_a_saved_drafter(trained, data_dir, tmp_path):
     _error(_cli("train", *args, "--out-dir", str(tmp_path / "y"), "--steps", "40"), "trained 40 steps", "more than 40")
 
 
+def _probe_inputs(feature_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
+    """Fixed inputs for one drafter pass: context taps [2, 9, F], a block of 4 per row [2, 4], and
+    the generator they came from (for further inputs)."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(2, 9, feature_size, generator=g), torch.randint(0, 64, (2, 4), generator=g), g
+
+
+def _draft_logits(m, taps, block, flow=None) -> torch.Tensor:
+    """One drafter pass over `block` right after the 9 context positions, attending everything."""
+    pos, mask = torch.arange(9, 13).expand(2, 4), torch.ones(2, 4, 13, dtype=torch.bool)
+    kv = m.context_kv(taps, torch.arange(9).expand(2, 9))
+    return m.draft_logits(m.hidden(m.block_inputs(block, flow), pos, kv, mask))
+
+
+def _assert_dflow_lossless(target, drafter_dir: Path) -> None:
+    dr = TorchDrafter(load_drafter(drafter_dir, target))
+    for prompt in ("def add(a, b):", "Explain gravity."):
+        ids = chat_ids(target, prompt)
+        ref_ids = generate(target, None, [ids], "ar", 24).token_ids
+        assert generate(target, dr, [ids], "dflow", 24).token_ids == ref_ids
+
+
 def test_dflash_drafter_starts_a_dflow_run_unchanged(trained, data_dir, tiny_qwen3, tmp_path):
     """A DFlash drafter may start a DFlow run: the flow branch starts silent, so the upgraded
     drafter drafts exactly what the DFlash one does, with or without flow; training then grows it."""
@@ -396,20 +418,13 @@ def test_dflash_drafter_starts_a_dflow_run_unchanged(trained, data_dir, tiny_qwe
     up = build_drafter(tiny_qwen3, cfg, seed=1)
     log, base = _init_from(str(src_dir), tiny_qwen3, up, TrainConfig(objective="dflow", steps=50))
     assert base == 40 and log == _log(trained["dflash"])
-    g = torch.Generator().manual_seed(0)
-    taps = torch.randn(2, 9, cfg.feature_size, generator=g)
-    block = torch.randint(0, 64, (2, 4), generator=g)
+    taps, block, g = _probe_inputs(cfg.feature_size)
     flow = FlowState(taps=torch.randn(2, 4, cfg.feature_size, generator=g), token_ids=block.flip(1),
                      hint_ids=block, valid=torch.tensor([[True, True, True, False], [True, False, False, False]]))
-    pos, mask = torch.arange(9, 13).expand(2, 4), torch.ones(2, 4, 13, dtype=torch.bool)
-
-    def logits(m, f):
-        kv = m.context_kv(taps, torch.arange(9).expand(2, 9))
-        return m.draft_logits(m.hidden(m.block_inputs(block, f), pos, kv, mask))
-
     with torch.no_grad():
-        ref = logits(src, None)
-        assert torch.equal(logits(up, None), ref) and torch.equal(logits(up, flow), ref)
+        ref = _draft_logits(src, taps, block)
+        assert torch.equal(_draft_logits(up, taps, block), ref)
+        assert torch.equal(_draft_logits(up, taps, block, flow), ref)
     # the CLI run: the DFlash log is carried, the flow branch learns, decoding stays lossless
     out = tmp_path / "up"
     r = _cli("train", *TRAIN, "--data-dir", str(data_dir), "--objective", "dflow", "--lr", "3e-3", "--eval-every",
@@ -419,11 +434,7 @@ def test_dflash_drafter_starts_a_dflow_run_unchanged(trained, data_dir, tiny_qwe
     assert log[:40] == _log(trained["dflash"]) and "eval_tau_flow" in log[-1] and "eval_tau_flow" not in log[39]
     w = load_file(out / "drafter" / "model.safetensors")
     assert w["hint_gate"].abs().item() > 0 and w["flow_norm.weight"].abs().max() > 0
-    dr = TorchDrafter(load_drafter(out / "drafter", tiny_qwen3))
-    for prompt in ("def add(a, b):", "Explain gravity."):
-        ids = chat_ids(tiny_qwen3, prompt)
-        ref_ids = generate(tiny_qwen3, None, [ids], "ar", 24).token_ids
-        assert generate(tiny_qwen3, dr, [ids], "dflow", 24).token_ids == ref_ids
+    _assert_dflow_lossless(tiny_qwen3, out / "drafter")
 
 
 def test_deeper_drafter_grows_from_a_shallower_one(trained, data_dir, tiny_qwen3, tmp_path):
@@ -440,17 +451,9 @@ def test_deeper_drafter_grows_from_a_shallower_one(trained, data_dir, tiny_qwen3
     cfg = untrained_config(tiny_qwen3, flow=True, block_size=4, num_layers=n + 1)
     deep = build_drafter(tiny_qwen3, type(cfg)(**{**cfg.__dict__, "draft_vocab_size": 64}), seed=1)
     _init_from(str(src_dir), tiny_qwen3, deep, TrainConfig(objective="dflow", steps=50))
-    g = torch.Generator().manual_seed(0)
-    taps = torch.randn(2, 9, cfg.feature_size, generator=g)
-    block = torch.randint(0, 64, (2, 4), generator=g)
-    pos, mask = torch.arange(9, 13).expand(2, 4), torch.ones(2, 4, 13, dtype=torch.bool)
-
-    def logits(m):
-        kv = m.context_kv(taps, torch.arange(9).expand(2, 9))
-        return m.draft_logits(m.hidden(m.block_inputs(block, None), pos, kv, mask))
-
+    taps, block, _ = _probe_inputs(cfg.feature_size)
     with torch.no_grad():
-        assert torch.equal(logits(deep), logits(src))
+        assert torch.equal(_draft_logits(deep, taps, block), _draft_logits(src, taps, block))
     out = tmp_path / "deep"
     r = _cli("train", *TRAIN, "--data-dir", str(data_dir), "--objective", "dflow", "--lr", "3e-3", "--eval-every",
              "10", "--num-layers", str(n + 1), "--init-from", str(src_dir), "--out-dir", str(out), "--steps", "50")
@@ -458,12 +461,8 @@ def test_deeper_drafter_grows_from_a_shallower_one(trained, data_dir, tiny_qwen3
     assert _log(out)[:40] == _log(trained["dflow"])
     w = load_file(out / "drafter" / "model.safetensors")
     assert w[f"layers.{n}.down_proj.weight"].abs().max() > 0 and w[f"layers.{n}.self_attn.o_proj.weight"].abs().max() > 0
-    dr = TorchDrafter(load_drafter(out / "drafter", tiny_qwen3))
-    assert dr.model.config.num_layers == n + 1
-    for prompt in ("def add(a, b):", "Explain gravity."):
-        ids = chat_ids(tiny_qwen3, prompt)
-        ref_ids = generate(tiny_qwen3, None, [ids], "ar", 24).token_ids
-        assert generate(tiny_qwen3, dr, [ids], "dflow", 24).token_ids == ref_ids
+    assert load_drafter(out / "drafter", tiny_qwen3).config.num_layers == n + 1
+    _assert_dflow_lossless(tiny_qwen3, out / "drafter")
     # bad input: the deep drafter cannot start a shallower run
     _error(_cli("train", *TRAIN, "--data-dir", str(data_dir), "--objective", "dflow", "--num-layers", str(n),
                 "--init-from", str(out / "drafter"), "--out-dir", str(tmp_path / "x"), "--steps", "60"),
