@@ -44,7 +44,7 @@ class OracleDrafter:
     def new_state(self, batch_size, generator=None):
         return None
 
-    def draft(self, state, context_taps, context_lens, anchor_ids, anchor_pos, flow, sampler):
+    def draft(self, state, context_taps, context_lens, anchor_ids, anchor_pos, flow, sampler, verify_threshold=0.0):
         from dflow_trt.decoding.interfaces import Proposal
 
         self.flows.append(flow)

@@ -88,7 +88,7 @@ class _Unsure:
     def new_state(self, batch_size, generator=None):
         return self.inner.new_state(batch_size, generator)
 
-    def draft(self, state, context_taps, context_lens, anchor_ids, anchor_pos, flow, sampler):
+    def draft(self, state, context_taps, context_lens, anchor_ids, anchor_pos, flow, sampler, verify_threshold=0.0):
         from dflow_trt.decoding.interfaces import Proposal
 
         if flow is not None:

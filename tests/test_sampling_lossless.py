@@ -53,7 +53,7 @@ class CloseDrafter:
         logits = self.model(input_ids=ids, attention_mask=mask.long()).logits  # right padding: causal rows unaffected
         return torch.softmax(logits[torch.arange(len(seqs), device=dev), L - 1].float() / self.t, -1)  # [B, V]
 
-    def draft(self, state, context_taps, context_lens, anchor_ids, anchor_pos, flow, sampler):
+    def draft(self, state, context_taps, context_lens, anchor_ids, anchor_pos, flow, sampler, verify_threshold=0.0):
         seqs = state["seqs"]
         for b in range(len(seqs)):
             if state["drafts"] is not None:

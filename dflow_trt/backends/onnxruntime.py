@@ -171,7 +171,8 @@ class OrtDrafter:
     @torch.inference_mode()
     def draft(self, state: OrtDrafterState, context_taps: torch.Tensor, context_lens: torch.Tensor,
               anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, flow: FlowState | None,
-              sampler: SamplingParams) -> Proposal:
+              sampler: SamplingParams, verify_threshold: float = 0.0) -> Proposal:
+        # one graph call drafts the whole block; `verify_threshold` (may stop early) is not needed
         c, S = self.config, self.block_size
         context_taps, context_lens = context_taps.cpu().float(), context_lens.cpu().long()
         B, N = context_taps.shape[:2]

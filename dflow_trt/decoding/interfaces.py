@@ -69,9 +69,9 @@ class FlowState:
 
 @dataclass
 class Proposal:
-    draft_ids: torch.Tensor  # [B, S-1] target vocabulary ids
-    draft_probs: torch.Tensor | None  # [B, S-1, V] the distribution drafts were sampled from (None: greedy)
-    confidence: torch.Tensor | None = None  # [B, S-1] drafter's top probability per position, never a
+    draft_ids: torch.Tensor  # [B, K] target vocabulary ids, K = S-1 (fewer only under a verify threshold)
+    draft_probs: torch.Tensor | None  # [B, K, V] the distribution drafts were sampled from (None: greedy)
+    confidence: torch.Tensor | None = None  # [B, K] drafter's top probability per position, never a
     # function of the sampled draft itself (see sampling.propose); None: unknown
 
 
@@ -84,6 +84,9 @@ class Drafter(Protocol):
 
     def draft(self, state: Any, context_taps: torch.Tensor, context_lens: torch.Tensor,
               anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, flow: FlowState | None,
-              sampler: "Any") -> Proposal:
+              sampler: "Any", verify_threshold: float = 0.0) -> Proposal:
         """Append newly committed context (taps [B, N, F], first context_lens[b] rows valid) to the
-        state, then propose S-1 tokens after anchor_ids [B] at absolute positions anchor_pos [B]."""
+        state, then propose S-1 tokens after anchor_ids [B] at absolute positions anchor_pos [B].
+
+        With `verify_threshold` > 0 a drafter may stop early, after the first position where every
+        row's cumulative confidence is below it: the loop never verifies past there."""

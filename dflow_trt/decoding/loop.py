@@ -122,7 +122,7 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
         n_drafts = None  # per row: how many drafts it proposes (None: all)
         if speculative:
             prop = drafter.draft(dstate, new_ctx, new_ctx_lens, anchor, anchor_pos,
-                                 flow if mode == "dflow" else None, sampling)
+                                 flow if mode == "dflow" else None, sampling, verify_threshold)
             if verify_threshold > 0 and prop.confidence is not None:
                 n_drafts = verify_lengths(prop.confidence, verify_threshold).to(anchor.device)  # [B]
             k = None if n_drafts is None else int(n_drafts.max())  # the batch verifies its longest row's drafts

@@ -64,16 +64,21 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, N, self.hkv, self.d).transpose(1, 2)
         return rope(k, pos, self.theta), v
 
-    def forward(self, x, pos, ctx_k, ctx_v, mask):
-        """x [B, Q, H] at pos [B, Q]; ctx_k/v [B, Hkv, C, D]; mask [B, Q, C+Q] bool (True: attend)."""
-        B, Q, _ = x.shape
-        q = rope(self.q_norm(self.q_proj(x).view(B, Q, self.h, self.d)).transpose(1, 2), pos, self.theta)
+    def forward(self, x, pos, ctx_k, ctx_v, mask, rows: slice = slice(None)):
+        """x [B, Q, H] at pos [B, Q]; ctx_k/v [B, Hkv, C, D]; mask [B, Q, C+Q] bool (True: attend).
+
+        Keys and values come from every row of x, queries only from `rows` -> [B, R, H]: a caller
+        that needs the output at a few block positions skips the rest's queries, not their keys.
+        """
         k, v = self.kv(x, pos)
         k, v = torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2)  # [B, Hkv, C+Q, D]
+        x, pos, mask = x[:, rows], pos[:, rows], mask[:, rows]
+        B, R, _ = x.shape
+        q = rope(self.q_norm(self.q_proj(x).view(B, R, self.h, self.d)).transpose(1, 2), pos, self.theta)
         rep = self.h // self.hkv
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)  # [B, H, C+Q, D]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])  # [B, H, Q, D]
-        return self.o_proj(o.transpose(1, 2).reshape(B, Q, self.h * self.d))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])  # [B, H, R, D]
+        return self.o_proj(o.transpose(1, 2).reshape(B, R, self.h * self.d))
 
 
 class Layer(nn.Module):
@@ -86,8 +91,9 @@ class Layer(nn.Module):
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
-    def forward(self, x, pos, ctx_k, ctx_v, mask):
-        x = x + self.self_attn(self.input_layernorm(x), pos, ctx_k, ctx_v, mask)
+    def forward(self, x, pos, ctx_k, ctx_v, mask, rows: slice = slice(None)):
+        """x [B, Q, H] -> the layer's output at `rows` [B, R, H] (see `Attention.forward`)."""
+        x = x[:, rows] + self.self_attn(self.input_layernorm(x), pos, ctx_k, ctx_v, mask, rows)
         h = self.post_attention_layernorm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
@@ -153,11 +159,13 @@ class DFlowDrafter(nn.Module):
         x = self.ctx_norm(self.ctx_proj(ctx_taps.to(self.ctx_proj.weight.dtype)))  # [B, N, H]; taps arrive fp32
         return [layer.self_attn.kv(x, ctx_pos) for layer in self.layers]
 
-    def block_inputs(self, block_ids: torch.Tensor, flow: FlowState | None = None) -> torch.Tensor:
+    def block_inputs(self, block_ids: torch.Tensor, flow: FlowState | None = None,
+                     flow_rows: int | None = None) -> torch.Tensor:
         """Embeddings of block tokens [B, Q] plus flow conditioning (fields [B, Q, ...]) -> [B, Q, H].
 
         Q may hold several blocks side by side (training): a block's last slot never carries flow,
-        so shifting hints by one position never leaks into the next block.
+        so shifting hints by one position never leaks into the next block. `flow_rows`: no slot
+        from there on is valid in any row (decoding knows this), so the flow projections skip them.
         """
         x = F.embedding(block_ids, self.embed_weight)  # [B, Q, H]
         if not self.config.flow:
@@ -165,15 +173,21 @@ class DFlowDrafter(nn.Module):
         if flow is None:
             return x + self.no_flow
         m = flow.valid[..., None].to(x.dtype)  # [B, Q, 1]
-        state = self.flow_norm(self.flow_proj(flow.taps.to(self.flow_proj.weight.dtype))) + self.flow_tok_proj(F.embedding(flow.token_ids, self.embed_weight))
+        n = x.shape[1] if flow_rows is None else flow_rows
+        state = self.flow_norm(self.flow_proj(flow.taps[:, :n].to(self.flow_proj.weight.dtype))) + self.flow_tok_proj(
+            F.embedding(flow.token_ids[:, :n], self.embed_weight))  # [B, n, H]
+        state = torch.cat([state, state.new_zeros(state.shape[0], x.shape[1] - n, state.shape[2])], 1)  # [B, Q, H]
         hint = F.embedding(flow.hint_ids, self.embed_weight) * m  # [B, Q, H]
         hint = torch.cat([torch.zeros_like(hint[:, :1]), hint[:, :-1]], 1)  # slot j's guess sits at j+1
         return x + m * (state + self.flow_present) + (1 - m) * self.no_flow + self.hint_gate * hint
 
-    def hidden(self, x: torch.Tensor, pos: torch.Tensor, ctx_kv, mask: torch.Tensor) -> torch.Tensor:
-        """Run the layers: x [B, Q, H] at pos [B, Q], mask [B, Q, C+Q] -> normed hidden [B, Q, H]."""
-        for layer, (k, v) in zip(self.layers, ctx_kv):
-            x = layer(x, pos, k, v, mask)
+    def hidden(self, x: torch.Tensor, pos: torch.Tensor, ctx_kv, mask: torch.Tensor,
+               rows: slice = slice(None)) -> torch.Tensor:
+        """Run the layers: x [B, Q, H] at pos [B, Q], mask [B, Q, C+Q] -> normed hidden [B, R, H] at
+        `rows`. Only the last layer is cut to `rows`: every earlier one feeds all rows' keys/values."""
+        last = len(self.layers) - 1
+        for i, (layer, (k, v)) in enumerate(zip(self.layers, ctx_kv)):
+            x = layer(x, pos, k, v, mask, rows if i == last else slice(None))
         return self.norm(x)
 
     def draft_head(self) -> torch.Tensor:

@@ -66,17 +66,52 @@ class TorchDrafter:
     @torch.inference_mode()
     def draft(self, state: DrafterState, context_taps: torch.Tensor, context_lens: torch.Tensor,
               anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, flow: FlowState | None,
-              sampler: SamplingParams) -> Proposal:
+              sampler: SamplingParams, verify_threshold: float = 0.0) -> Proposal:
         self._append(state, context_taps, context_lens.to(self.device))
         assert torch.equal(state.lens, anchor_pos.to(self.device)), "drafter context must end right before the anchor"
         B, S, m = anchor_ids.shape[0], self.block_size, self.model
         block = torch.full((B, S), self.config.mask_token_id, dtype=torch.long, device=self.device)
         block[:, 0] = anchor_ids
         pos = state.lens[:, None] + torch.arange(S, device=self.device)  # [B, S]
-        x = m.block_inputs(block, flow if self.uses_flow else None)
+        flow = flow if self.uses_flow else None
+        x = m.block_inputs(block, flow, None if flow is None else _valid_prefix(flow.valid))
         C = int(state.lens.max())
         ctx_mask = torch.arange(C, device=self.device)[None, :] < state.lens[:, None]  # [B, C]
         mask = torch.cat([ctx_mask[:, None, :].expand(B, S, C), ctx_mask.new_ones(B, S, S)], -1)  # [B, S, C+S]
         kv = [(k[:, :, :C], v[:, :, :C]) for k, v in zip(state.k, state.v)]
-        logits = m.draft_logits(m.hidden(x, pos, kv, mask)[:, 1:])  # [B, S-1, Vd]
-        return propose(logits, m.draft_vocab, self.config.target.vocab_size, sampler, state.generator)
+        parts: list[Proposal] = []
+        for lo, hi in draft_spans(S, verify_threshold):
+            logits = m.draft_logits(m.hidden(x, pos, kv, mask, slice(lo, hi)))  # [B, hi-lo, Vd]
+            parts.append(propose(logits, m.draft_vocab, self.config.target.vocab_size, sampler, state.generator))
+            conf = torch.cat([p.confidence for p in parts], 1)  # [B, hi-1]
+            if verify_threshold > 0 and (conf.float().cumprod(-1)[:, -1] < verify_threshold).all():
+                break  # no row will verify past here (`verify_lengths`), so its later drafts are never read
+        if len(parts) == 1:
+            return parts[0]
+        probs = None if parts[0].draft_probs is None else torch.cat([p.draft_probs for p in parts], 1)
+        return Proposal(draft_ids=torch.cat([p.draft_ids for p in parts], 1), draft_probs=probs, confidence=conf)
+
+
+def _valid_prefix(valid: torch.Tensor) -> int:
+    """How many leading block slots [B, S] hold any row's flow (decoding's flow is a prefix)."""
+    cols = valid.any(0).nonzero()
+    return int(cols.max()) + 1 if len(cols) else 0
+
+
+def draft_spans(block_size: int, verify_threshold: float) -> list[tuple[int, int]]:
+    """The block positions drafted per step, as [lo, hi) spans of 1..S-1 (position 0 is the anchor).
+
+    Without a threshold: all at once. With one: 4, then 8, 16, ... positions, stopping once every
+    row's estimated chance of acceptance has fallen below the threshold; on a CPU most rounds then
+    stop after the first span and skip the rest's queries, MLP rows and draft-head rows. Spans are
+    at least 4 long: PyTorch's CPU attention takes another path for 1-3 queries whose sums can
+    differ in the last bit, and the drafts should not depend on the threshold.
+    """
+    if verify_threshold <= 0:
+        return [(1, block_size)]
+    spans, lo, n = [], 1, 4
+    while lo < block_size:
+        hi = lo + n if block_size - (lo + n) >= 4 else block_size
+        spans.append((lo, hi))
+        lo, n = hi, 2 * n
+    return spans

@@ -142,7 +142,8 @@ class RemoteDrafter:
 
     def draft(self, state: RemoteDrafterState, context_taps: torch.Tensor, context_lens: torch.Tensor,
               anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, flow: FlowState | None,
-              sampler: SamplingParams) -> Proposal:
+              sampler: SamplingParams, verify_threshold: float = 0.0) -> Proposal:
+        # one graph call drafts the whole block; `verify_threshold` (may stop early) is not needed
         B, N, F = context_taps.shape
         C = int((state.lens + context_lens).max())
         taps = torch.zeros(B, C, F)
