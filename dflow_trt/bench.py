@@ -44,6 +44,8 @@ class ModeRun:
     block_size: int
     verified: int = 0  # drafts sent to the target over all rounds
     rounds_per_prompt: list[int] = field(default_factory=list)  # slices `acceptance` by prompt
+    draft_seconds: float = 0.0  # the drafter's share of `seconds` (the loop's draft_s)
+    verify_seconds: float = 0.0  # the target's verify passes and acceptance (the loop's verify_s)
 
     def prompt_taus(self) -> list[float | None]:
         out, i = [], 0
@@ -76,7 +78,7 @@ def run_mode(target_name: str, drafter_path: str | None, mode: str, prompts: lis
              verify_threshold: float = 0.0) -> ModeRun:
     target, model = load_target_and_drafter(target_name, drafter_path, mode, warn=warn, target=target)
     drafter = TorchDrafter(model, block_size) if model is not None else None
-    tokens, accept, secs, verified, rounds = [], [], 0.0, 0, []
+    tokens, accept, secs, verified, rounds, draft_s, verify_s = [], [], 0.0, 0, [], 0.0, 0.0
     for p in tqdm(prompts, desc=mode, leave=False):
         r = generate(target, drafter, [p], mode, max_new_tokens, stop_token_ids=stop_token_ids,
                      verify_threshold=verify_threshold)
@@ -85,8 +87,10 @@ def run_mode(target_name: str, drafter_path: str | None, mode: str, prompts: lis
         rounds.append(len(r.acceptance_lengths[0]))
         secs += r.total_s
         verified += r.verified_drafts
+        draft_s, verify_s = draft_s + r.draft_s, verify_s + r.verify_s
     name = "-" if model is None else model.config.extra.get("name", Path(drafter_path or "untrained").name)
-    return ModeRun(tokens, accept, secs, name, drafter.block_size if drafter else 1, verified, rounds)
+    return ModeRun(tokens, accept, secs, name, drafter.block_size if drafter else 1, verified, rounds,
+                   draft_s, verify_s)
 
 
 def _summary(runs: dict[str, ModeRun]) -> dict:
@@ -100,6 +104,8 @@ def _summary(runs: dict[str, ModeRun]) -> dict:
                      "prompt_taus": r.prompt_taus(),  # per prompt, in order: pairs runs made separately
                      "new_tokens": sum(len(t) for t in r.tokens), "seconds": r.seconds,
                      "drafts_verified_per_round": r.verified / max(1, len(r.acceptance)),
+                     "draft_ms_per_round": 1e3 * r.draft_seconds / max(1, len(r.acceptance)),
+                     "verify_ms_per_round": 1e3 * r.verify_seconds / max(1, len(r.acceptance)),
                      "drafter": r.drafter, "block_size": r.block_size}
     return out
 
@@ -129,6 +135,8 @@ def _merge(per_dataset: dict[str, dict[str, ModeRun]]) -> dict[str, ModeRun]:
             m.seconds += r.seconds
             m.verified += r.verified
             m.rounds_per_prompt += r.rounds_per_prompt
+            m.draft_seconds += r.draft_seconds
+            m.verify_seconds += r.verify_seconds
     return merged
 
 

@@ -72,6 +72,11 @@ def test_bench_reports_every_mode(tmp_path):
     assert [x is None for x in rep["modes"]["dflow"]["prompt_taus"]] == [x is None for x in pt]
     assert len(rep["modes"]["dflow"]["acceptance_by_position"]) == 3
     assert rep["modes"]["dflow"]["drafts_verified_per_round"] == 3 and rep["modes"]["ar"]["drafts_verified_per_round"] == 0
+    for mode in ("ar", "dflash", "dflow"):  # the round's time split: the drafter's share is ar's ~0
+        s = rep["modes"][mode]
+        assert s["verify_ms_per_round"] > 0 and 0 <= s["draft_ms_per_round"]
+        assert s["rounds"] * (s["draft_ms_per_round"] + s["verify_ms_per_round"]) <= 1e3 * s["seconds"]
+    assert rep["modes"]["ar"]["draft_ms_per_round"] < rep["modes"]["dflow"]["draft_ms_per_round"]
     assert out.with_suffix(".png").stat().st_size > 0
     pd = rep["dflow_vs_dflash"]  # paired over the 2 prompts
     n = sum(x is not None for x in pt)  # prompts with a round

@@ -70,3 +70,5 @@ def test_flow_rows_skip_only_slots_without_flow():
     with torch.inference_mode():
         assert torch.equal(model.block_inputs(ids, flow, 6), model.block_inputs(ids, flow))
         assert not torch.equal(model.block_inputs(ids, flow, 2), model.block_inputs(ids, flow))  # row 1 has 6
+        none = carry_flow(block, taps, block.roll(1, 1), torch.tensor([15, 15, 15]))  # all accepted: no flow
+        assert torch.equal(model.block_inputs(ids, none, 0), model.block_inputs(ids, none))
