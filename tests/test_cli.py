@@ -162,3 +162,14 @@ def test_bench_pairs_dflow_with_dflash_per_prompt():
     m = sum(d) / 3
     assert p["tau_diff_se"] == pytest.approx((sum((x - m) ** 2 for x in d) / 2 / 3) ** 0.5)
     assert _paired({"dflash": a}) is None
+
+
+def test_demo_shows_the_whole_block_then_the_cpu_threshold():
+    """The main job prints one table per setting; every mode equals ar in each."""
+    r = _cli("demo", "--target", "tiny-qwen3", "--num-prompts", "2", "--max-new-tokens", "8")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("matches ar") == 2 and "verify threshold 0.05" in r.stdout
+    assert r.stdout.count(" yes ") == 6 and " NO " not in r.stdout
+    r = _cli("demo", "--target", "tiny-qwen3", "--num-prompts", "1", "--max-new-tokens", "8", "--verify-threshold", "0.3")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("matches ar") == 1 and "verify threshold 0.3" in r.stdout and " NO " not in r.stdout
