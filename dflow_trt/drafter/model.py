@@ -176,7 +176,8 @@ class DFlowDrafter(nn.Module):
         n = x.shape[1] if flow_rows is None else flow_rows
         state = self.flow_norm(self.flow_proj(flow.taps[:, :n].to(self.flow_proj.weight.dtype))) + self.flow_tok_proj(
             F.embedding(flow.token_ids[:, :n], self.embed_weight))  # [B, n, H]
-        state = torch.cat([state, state.new_zeros(state.shape[0], x.shape[1] - n, state.shape[2])], 1)  # [B, Q, H]
+        if n < x.shape[1]:
+            state = torch.cat([state, state.new_zeros(state.shape[0], x.shape[1] - n, state.shape[2])], 1)  # [B, Q, H]
         hint = F.embedding(flow.hint_ids, self.embed_weight) * m  # [B, Q, H]
         hint = torch.cat([torch.zeros_like(hint[:, :1]), hint[:, :-1]], 1)  # slot j's guess sits at j+1
         return x + m * (state + self.flow_present) + (1 - m) * self.no_flow + self.hint_gate * hint
@@ -185,10 +186,19 @@ class DFlowDrafter(nn.Module):
                rows: slice = slice(None)) -> torch.Tensor:
         """Run the layers: x [B, Q, H] at pos [B, Q], mask [B, Q, C+Q] -> normed hidden [B, R, H] at
         `rows`. Only the last layer is cut to `rows`: every earlier one feeds all rows' keys/values."""
-        last = len(self.layers) - 1
-        for i, (layer, (k, v)) in enumerate(zip(self.layers, ctx_kv)):
-            x = layer(x, pos, k, v, mask, rows if i == last else slice(None))
-        return self.norm(x)
+        return self.last_layer(self.early_layers(x, pos, ctx_kv, mask), pos, ctx_kv, mask, rows)
+
+    def early_layers(self, x: torch.Tensor, pos: torch.Tensor, ctx_kv, mask: torch.Tensor) -> torch.Tensor:
+        """Every layer but the last, over all rows: x [B, Q, H] -> [B, Q, H]."""
+        for layer, (k, v) in zip(self.layers[:-1], ctx_kv[:-1]):
+            x = layer(x, pos, k, v, mask)
+        return x
+
+    def last_layer(self, x: torch.Tensor, pos: torch.Tensor, ctx_kv, mask: torch.Tensor,
+                   rows: slice = slice(None)) -> torch.Tensor:
+        """The last layer at `rows`, normed: `early_layers`' output [B, Q, H] -> [B, R, H]."""
+        k, v = ctx_kv[-1]
+        return self.norm(self.layers[-1](x, pos, k, v, mask, rows))
 
     def draft_head(self) -> torch.Tensor:
         """The LM head rows of the draft vocabulary [Vd, H]."""

@@ -12,6 +12,7 @@ import torch
 
 from ..errors import UserError
 from ..decoding.interfaces import FlowState, Proposal
+from ..decoding.loop import verify_lengths
 from ..decoding.sampling import SamplingParams, propose
 from .model import DFlowDrafter
 
@@ -79,13 +80,14 @@ class TorchDrafter:
         ctx_mask = torch.arange(C, device=self.device)[None, :] < state.lens[:, None]  # [B, C]
         mask = torch.cat([ctx_mask[:, None, :].expand(B, S, C), ctx_mask.new_ones(B, S, S)], -1)  # [B, S, C+S]
         kv = [(k[:, :, :C], v[:, :, :C]) for k, v in zip(state.k, state.v)]
+        x = m.early_layers(x, pos, kv, mask)  # once: only the last layer is cut to each span's rows
         parts: list[Proposal] = []
         for lo, hi in draft_spans(S, verify_threshold):
-            logits = m.draft_logits(m.hidden(x, pos, kv, mask, slice(lo, hi)))  # [B, hi-lo, Vd]
+            logits = m.draft_logits(m.last_layer(x, pos, kv, mask, slice(lo, hi)))  # [B, hi-lo, Vd]
             parts.append(propose(logits, m.draft_vocab, self.config.target.vocab_size, sampler, state.generator))
             conf = torch.cat([p.confidence for p in parts], 1)  # [B, hi-1]
-            if verify_threshold > 0 and (conf.float().cumprod(-1)[:, -1] < verify_threshold).all():
-                break  # no row will verify past here (`verify_lengths`), so its later drafts are never read
+            if verify_threshold > 0 and (verify_lengths(conf, verify_threshold) < conf.shape[1]).all():
+                break  # the loop's own rule: no row verifies past here, so later drafts are never read
         if len(parts) == 1:
             return parts[0]
         probs = None if parts[0].draft_probs is None else torch.cat([p.draft_probs for p in parts], 1)
