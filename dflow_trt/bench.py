@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from .decoding.flow import HINT_TRUST
 from .decoding.loop import generate
 from .drafter.defaults import load_target_and_drafter
 from .drafter.runtime import TorchDrafter
@@ -75,13 +76,13 @@ class ModeRun:
 
 def run_mode(target_name: str, drafter_path: str | None, mode: str, prompts: list[list[int]], max_new_tokens: int,
              block_size: int | None, stop_token_ids=None, warn=print, target=None,
-             verify_threshold: float = 0.0) -> ModeRun:
+             verify_threshold: float = 0.0, hint_trust: float = HINT_TRUST) -> ModeRun:
     target, model = load_target_and_drafter(target_name, drafter_path, mode, warn=warn, target=target)
     drafter = TorchDrafter(model, block_size) if model is not None else None
     tokens, accept, secs, verified, rounds, draft_s, verify_s = [], [], 0.0, 0, [], 0.0, 0.0
     for p in tqdm(prompts, desc=mode, leave=False):
         r = generate(target, drafter, [p], mode, max_new_tokens, stop_token_ids=stop_token_ids,
-                     verify_threshold=verify_threshold)
+                     verify_threshold=verify_threshold, hint_trust=hint_trust)
         tokens.append(r.token_ids[0])
         accept += r.acceptance_lengths[0]
         rounds.append(len(r.acceptance_lengths[0]))
@@ -172,7 +173,8 @@ def _plot(report: dict, path: Path) -> None:
 
 def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], datasets: list[str], num_prompts: int,
               max_new_tokens: int, chat: bool, block_size: int | None, json_out: str | None,
-              plot_out: str | None = None, verify_threshold: float = 0.0, first_prompt: int = 0) -> int:
+              plot_out: str | None = None, verify_threshold: float = 0.0, first_prompt: int = 0,
+              hint_trust: float = HINT_TRUST) -> int:
     # a log file gets the whole table: rich would wrap its nine columns at 80 when not on a terminal
     console = Console(width=None if sys.stdout.isatty() else 160)
     bad = [m for m in modes if m not in MODES]
@@ -195,15 +197,16 @@ def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], da
         name = Path(ds).stem if ds.endswith(".jsonl") else ds
         per_dataset[name] = {m: run_mode(target, drafters.get(m), m, ids, max_new_tokens, block_size,
                                          warn=lambda s: console.print(f"[yellow]{s}"), target=loaded,
-                                         verify_threshold=verify_threshold)
+                                         verify_threshold=verify_threshold, hint_trust=hint_trust)
                              for m in modes}
     merged = _merge(per_dataset)
     report = {"target": target, "first_prompt": first_prompt, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "chat": chat,
-              "decoding": "greedy", "verify_threshold": verify_threshold, "modes": _summary(merged),
+              "decoding": "greedy", "verify_threshold": verify_threshold, "hint_trust": hint_trust, "modes": _summary(merged),
               "dflow_vs_dflash": _paired(merged),
               "datasets": {d: {"modes": _summary(r), "dflow_vs_dflash": _paired(r)} for d, r in per_dataset.items()}}
     for d, r in [*report["datasets"].items(), ("all", report)]:
         verify = f" · verify threshold {verify_threshold:g}" if verify_threshold else ""
+        verify += f" · hint trust {hint_trust:g}" if hint_trust != HINT_TRUST else ""
         which = f"prompts {first_prompt + 1}–{first_prompt + num_prompts}" if first_prompt else f"{num_prompts} prompts"
         t = Table(title=f"{target} · {d} · greedy · {which} × {max_new_tokens} tokens{verify}")
         for c in ("mode", "drafter", "block", "verified", "τ ± se", "accept pos 1..4", "tokens/s", "speedup", "matches ar"):

@@ -21,6 +21,14 @@ def _add_verify_threshold(p: argparse.ArgumentParser, default: float | None = 0.
                    help="verify only drafts whose estimated acceptance chance is >= this (0: the whole block)" + extra)
 
 
+def _add_hint_trust(p: argparse.ArgumentParser) -> None:
+    from .decoding.flow import HINT_TRUST
+
+    p.add_argument("--hint-trust", type=float, default=HINT_TRUST,
+                   help=f"dflow: take the verifier's guess over a draft the drafter is less sure of than this, "
+                        f"where the flow shows the verifier read the same token before it (0: off; default {HINT_TRUST})")
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     from .decoding.loop import generate
     from .decoding.sampling import SamplingParams
@@ -37,7 +45,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     target, drafter = load_backends(a.target, a.drafter, a.mode, a.backend, a.build_dir, a.block_size)
     prompt_ids = encode_prompt(target.tokenizer, a.prompt, a.chat)
     res = generate(target, drafter, [prompt_ids], a.mode, a.max_new_tokens, sampling,
-                   verify_threshold=a.verify_threshold)
+                   verify_threshold=a.verify_threshold, hint_trust=a.hint_trust)
     ids = res.token_ids[0]
     text = target.tokenizer.decode(ids, skip_special_tokens=True)
     if a.json:
@@ -67,7 +75,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         for m in a.modes.split(","):
             drafters[m] = a.drafter
     return run_bench(a.target, drafters, [m for m in a.modes.split(",") if m], a.dataset.split(","), a.num_prompts,
-                     a.max_new_tokens, a.chat, a.block_size, a.json_out, a.plot_out, a.verify_threshold, a.first_prompt)
+                     a.max_new_tokens, a.chat, a.block_size, a.json_out, a.plot_out, a.verify_threshold, a.first_prompt,
+                     a.hint_trust)
 
 
 def cmd_client(a: argparse.Namespace) -> int:
@@ -160,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="onnxruntime runs the exported graphs (exported into --build-dir first if missing)")
     g.add_argument("--build-dir", default=None, help="build folder for --backend onnxruntime (default build/<target>)")
     _add_verify_threshold(g)
+    _add_hint_trust(g)
     _add_sampling(g)
     g.set_defaults(func=cmd_generate)
 
@@ -186,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json-out", default=None, help="write the report here (and a PNG plot beside it)")
     b.add_argument("--plot-out", default=None)
     _add_verify_threshold(b)
+    _add_hint_trust(b)
     b.set_defaults(func=cmd_bench)
 
     c = sub.add_parser("client", help="decode through a running Triton server (gRPC streaming)")

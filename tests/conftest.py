@@ -81,3 +81,19 @@ def smollm2():
 def chat_ids(target, text):
     return target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                 tokenize=True, return_dict=True)["input_ids"]
+
+
+class HintSpy:
+    """Counts the drafts the loop's real `take_hints` replaced (it still does the work)."""
+
+    def __init__(self, monkeypatch):
+        import dflow_trt.decoding.loop as loop
+
+        self.taken, real = 0, loop.take_hints
+
+        def spy(prop, flow, trust):
+            out = real(prop, flow, trust)
+            self.taken += int((out.draft_ids != prop.draft_ids).sum())
+            return out
+
+        monkeypatch.setattr(loop, "take_hints", spy)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import PROMPTS_TEXT, OracleDrafter, chat_ids
+from conftest import PROMPTS_TEXT, HintSpy, OracleDrafter, chat_ids
 from dflow_trt.decoding.loop import generate
 from dflow_trt.drafter.defaults import untrained_config
 from dflow_trt.drafter.io import build_drafter
@@ -49,6 +49,20 @@ def test_tiny_qwen3_lossless(tiny_qwen3):
 
 def test_tiny_llama_lossless(tiny_llama):
     _check_target(tiny_llama, max_new=40, blocks=(2, 8))
+
+
+@pytest.mark.parametrize("S", (8, 16))
+def test_verifier_hints_are_lossless(tiny_qwen3, monkeypatch, S):
+    """DFlow with every consistent hint taken (trust 1), batched rows: still the target's tokens."""
+    spy = HintSpy(monkeypatch)
+    prompts, max_new = _prompts(tiny_qwen3, 6), 40
+    ar = [generate(tiny_qwen3, None, [p], "ar", max_new, stop_token_ids=()).token_ids[0] for p in prompts]
+    d = TorchDrafter(build_drafter(tiny_qwen3, untrained_config(tiny_qwen3, flow=True, block_size=S)), S)
+    for threshold in (0.0, 0.3):
+        res = generate(tiny_qwen3, d, prompts, "dflow", max_new, stop_token_ids=(), verify_threshold=threshold,
+                       hint_trust=1.0)
+        assert res.token_ids == ar, (S, threshold)
+    assert spy.taken > 0
 
 
 def test_single_row_equals_batched(tiny_qwen3):
@@ -128,10 +142,12 @@ def test_verify_length_rule():
 
 
 @pytest.mark.slow
-def test_smollm2_shipped_drafters_lossless(smollm2):
-    """The trained drafters (real acceptances, flow from real rejections), full and shortened verify."""
+def test_smollm2_shipped_drafters_lossless(smollm2, monkeypatch):
+    """The trained drafters (real acceptances, flow from real rejections, DFlow's verifier hints at
+    their default trust), full and shortened verify."""
     from dflow_trt.drafter.defaults import load_target_and_drafter
 
+    spy = HintSpy(monkeypatch)
     prompts = _prompts(smollm2, 3)
     ar = [generate(smollm2, None, [p], "ar", 32, stop_token_ids=()).token_ids[0] for p in prompts]
     for mode in ("dflash", "dflow"):
@@ -142,3 +158,4 @@ def test_smollm2_shipped_drafters_lossless(smollm2):
                                verify_threshold=threshold)
                 assert res.token_ids == ar, (mode, S, threshold)
                 assert res.tau > 1.0  # some drafts were accepted
+    assert spy.taken > 0  # the hints were exercised

@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-from conftest import TEST_DEVICE
+from conftest import TEST_DEVICE, HintSpy
 from dflow_trt.decoding.interfaces import Proposal
 from dflow_trt.decoding.loop import generate
 from dflow_trt.decoding.sampling import SamplingParams
@@ -75,10 +75,11 @@ class CloseDrafter:
         return Proposal(draft_ids=draft_ids, draft_probs=q, confidence=q.amax(-1))
 
 
-def _samples(target, drafter, mode, params, block, verify_threshold=0.0):
+def _samples(target, drafter, mode, params, block, verify_threshold=0.0, hint_trust=0.5):
     if drafter is not None and not isinstance(drafter, CloseDrafter):
         drafter = TorchDrafter(drafter, block)
-    res = generate(target, drafter, [PROMPT] * N, mode, K, params, stop_token_ids=(), verify_threshold=verify_threshold)
+    res = generate(target, drafter, [PROMPT] * N, mode, K, params, stop_token_ids=(), verify_threshold=verify_threshold,
+                   hint_trust=hint_trust)
     return [tuple(r[:K]) for r in res.token_ids], res
 
 
@@ -108,13 +109,18 @@ def test_speculative_sampling_matches_ar(small_target, mode, block):
     assert p > 1e-3, f"{mode}: distribution differs from ar (p={p:.2e})"
 
 
-@pytest.mark.parametrize("mode,block,threshold", [("dflash", 4, 0.0), ("dflow", 3, 0.0), ("dflow", 4, 0.05)])
-def test_speculative_sampling_with_a_close_drafter_matches_ar(small_target, mode, block, threshold):
-    """threshold > 0: rounds verify only a prefix of the drafts (the drafter's confidences decide)."""
+@pytest.mark.parametrize("mode,block,threshold,trust", [("dflash", 4, 0.0, 0.5), ("dflow", 3, 0.0, 0.5),
+                                                         ("dflow", 4, 0.05, 0.5), ("dflow", 4, 0.0, 1.0)])
+def test_speculative_sampling_with_a_close_drafter_matches_ar(small_target, monkeypatch, mode, block, threshold, trust):
+    """threshold > 0: rounds verify only a prefix of the drafts (the drafter's confidences decide).
+    DFlow takes verifier hints (point-mass drafts); at trust 1 it takes every consistent one."""
+    spy = HintSpy(monkeypatch)
     drafter = CloseDrafter(small_target.model, block, uses_flow=(mode == "dflow"))
     ar, _ = _samples(small_target, None, "ar", SamplingParams(1.0, 0.95, 12, seed=13), 1)
-    spec, res = _samples(small_target, drafter, mode, SamplingParams(1.0, 0.95, 12, seed=17), block, threshold)
+    spec, res = _samples(small_target, drafter, mode, SamplingParams(1.0, 0.95, 12, seed=17), block, threshold, trust)
     assert res.tau > 1.5, res.tau  # most drafts accepted: the accept path carries the distribution
+    if mode == "dflow":
+        assert spy.taken > 0, "no verifier hint was taken: the point-mass path went untested"
     if threshold:  # some rounds were shortened
         assert res.verified_drafts < sum(len(a) for a in res.acceptance_lengths) * (block - 1)
     _, p, _, _ = chi2_contingency(list(zip(*_table(ar, spec))))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .interfaces import FlowState
+from .interfaces import FlowState, Proposal
 
 
 def carry_flow(block_ids: torch.Tensor, block_taps: torch.Tensor, block_target_ids: torch.Tensor,
@@ -35,3 +35,44 @@ def right_align(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     B, T = x.shape[:2]
     src = (torch.arange(T, device=x.device)[None, :] + (T - lens)[:, None]).clamp(max=T - 1)  # [B, T]
     return x.gather(1, src.view(B, T, *([1] * (x.dim() - 2))).expand_as(x))
+
+
+# How often a consistent hint (below) named the target's next token on held-out prompts of the
+# training sources with the shipped DFlow drafter; also the confidence a taken hint reports to the
+# verify-length policy. Measured, not tuned on the eval sets: see the README's "Verifier hints".
+HINT_TRUST = 0.5
+
+
+def take_hints(prop: Proposal, flow: FlowState, trust: float = HINT_TRUST) -> Proposal:
+    """Replace drafts with the verifier's own guesses where the flow shows it saw the same token.
+
+    Flow slot j holds the token the previous verify pass read at block position j and the target's
+    argmax there, its guess for position j+1. When the (possibly replaced) draft at position j is
+    that same token, the guess was made on the right token at j (only the context further left
+    differs), so it beats a drafter that is less than `trust` sure at j+1: draft j+1 becomes the
+    guess and reports confidence `trust`. Position 1 never qualifies: slot 0 held the rejected
+    draft, never the anchor. Left to right, so a taken guess can qualify the next one.
+
+    Sampling stays lossless: a taken guess is a point mass (`draft_probs` one-hot), decided from
+    earlier drafts and the drafter's confidence at j+1, never from the token drawn there.
+    """
+    ids = prop.draft_ids.clone()  # [B, K]
+    conf = None if prop.confidence is None else prop.confidence.clone()
+    probs = None if prop.draft_probs is None else prop.draft_probs.clone()
+    B, K = ids.shape
+    valid, seen, guess = (t.to(ids.device) for t in (flow.valid, flow.token_ids, flow.hint_ids))
+    n_flow = int(valid.any(0).sum())  # decoding's flow is a prefix of the block: slots 0..n_flow-1
+    for k in range(2, min(K, n_flow) + 1):  # draft k sits at block position k, its guess at flow slot k-1
+        j = k - 1
+        take = valid[:, j] & (seen[:, j] == ids[:, j - 1])  # [B]
+        if conf is not None:
+            take &= conf[:, k - 1] < trust
+        if not bool(take.any()):
+            continue
+        ids[:, k - 1] = torch.where(take, guess[:, j], ids[:, k - 1])
+        if conf is not None:
+            conf[:, k - 1] = torch.where(take, conf.new_tensor(trust), conf[:, k - 1])
+        if probs is not None:
+            onehot = torch.nn.functional.one_hot(guess[:, j], probs.shape[-1]).to(probs.dtype)  # [B, V]
+            probs[:, k - 1] = torch.where(take[:, None], onehot, probs[:, k - 1])
+    return Proposal(draft_ids=ids, draft_probs=probs, confidence=conf)

@@ -10,7 +10,7 @@ import torch
 
 from ..errors import UserError
 from .acceptance import greedy_accept, rejection_sample
-from .flow import carry_flow, right_align
+from .flow import HINT_TRUST, carry_flow, right_align, take_hints
 from .interfaces import Drafter, FlowState, Target
 from .sampling import SamplingParams, pick, processed_probs
 
@@ -62,7 +62,7 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
              max_new_tokens: int = 64, sampling: SamplingParams = SamplingParams(),
              stop_token_ids: tuple[int, ...] | None = None,
              on_round: Callable[[RoundEvent], bool | None] | None = None,
-             verify_threshold: float = 0.0) -> GenerationResult:
+             verify_threshold: float = 0.0, hint_trust: float = HINT_TRUST) -> GenerationResult:
     """Decode `prompts` (lists of token ids) with the target, speculatively unless mode == "ar".
 
     Invariant at the top of every round, per row b with n_b generated tokens:
@@ -78,6 +78,9 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
     `verify_threshold` > 0: each row proposes only the drafts whose chance of acceptance, as the
     drafter's own confidence estimates it, stays at or above it (`verify_lengths`), and the batch
     verifies its longest row's; output is unchanged, a round costs less. 0 verifies the whole block.
+    `hint_trust` (dflow): where the flow shows the verifier already read a draft's token, its guess
+    for the next position replaces a draft the drafter is less sure of than this (`take_hints`);
+    0 turns it off, leaving the learned flow conditioning alone.
     """
     if mode not in MODES:
         raise UserError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
@@ -89,6 +92,8 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
         raise UserError(f"mode {mode!r} needs a drafter")
     if not 0.0 <= verify_threshold < 1.0:
         raise UserError(f"verify threshold must be in [0, 1), got {verify_threshold}")
+    if not 0.0 <= hint_trust <= 1.0:
+        raise UserError(f"hint trust must be in [0, 1], got {hint_trust}")
     if mode == "dflow" and not drafter.uses_flow:
         raise UserError("this drafter was built without flow conditioning; use --mode dflash or a DFlow drafter")
     speculative = mode != "ar"
@@ -123,6 +128,8 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
         if speculative:
             prop = drafter.draft(dstate, new_ctx, new_ctx_lens, anchor, anchor_pos,
                                  flow if mode == "dflow" else None, sampling, verify_threshold)
+            if mode == "dflow" and flow is not None and hint_trust > 0:
+                prop = take_hints(prop, flow, hint_trust)
             if verify_threshold > 0 and prop.confidence is not None:
                 n_drafts = verify_lengths(prop.confidence, verify_threshold).to(anchor.device)  # [B]
             k = None if n_drafts is None else int(n_drafts.max())  # the batch verifies its longest row's drafts
