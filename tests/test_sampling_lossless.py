@@ -70,6 +70,7 @@ class CloseDrafter:
                 x.append(int(t[b]))
         draft_ids = torch.stack(ids, 1)  # [B, S-1]
         state["drafts"], state["pos"] = draft_ids.tolist(), anchor_pos.clone()
+        self.state = state  # DFlow's hints may replace drafts; the test writes them back here
         q = torch.stack(probs, 1)  # [B, S-1, V]
         # top probability per position: it may depend on earlier drafts, never on the draft itself
         return Proposal(draft_ids=draft_ids, draft_probs=q, confidence=q.amax(-1))
@@ -114,8 +115,18 @@ def test_speculative_sampling_matches_ar(small_target, mode, block):
 def test_speculative_sampling_with_a_close_drafter_matches_ar(small_target, monkeypatch, mode, block, threshold, trust):
     """threshold > 0: rounds verify only a prefix of the drafts (the drafter's confidences decide).
     DFlow takes verifier hints (point-mass drafts); at trust 1 it takes every consistent one."""
+    import dflow_trt.decoding.loop as loop
+
     spy = HintSpy(monkeypatch)
     drafter = CloseDrafter(small_target.model, block, uses_flow=(mode == "dflow"))
+    counted = loop.take_hints
+
+    def hints_written_back(prop, flow, trust):  # the double rebuilds its context from what was proposed
+        out = counted(prop, flow, trust)
+        drafter.state["drafts"] = out.draft_ids.tolist()
+        return out
+
+    monkeypatch.setattr(loop, "take_hints", hints_written_back)
     ar, _ = _samples(small_target, None, "ar", SamplingParams(1.0, 0.95, 12, seed=13), 1)
     spec, res = _samples(small_target, drafter, mode, SamplingParams(1.0, 0.95, 12, seed=17), block, threshold, trust)
     assert res.tau > 1.5, res.tau  # most drafts accepted: the accept path carries the distribution

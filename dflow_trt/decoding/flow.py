@@ -52,8 +52,9 @@ def take_hints(prop: Proposal, flow: FlowState, trust: float = HINT_TRUST) -> Pr
     argmax there, its guess for position j+1. When the (possibly replaced) draft at position j is
     that same token, the guess was made on the right token at j (only the context further left
     differs), so it beats a drafter that is less than `trust` sure at j+1: draft j+1 becomes the
-    guess and reports confidence `trust`. Position 1 never qualifies: slot 0 held the rejected
-    draft, never the anchor. Left to right, so a taken guess can qualify the next one.
+    guess and reports confidence `trust`. Draft 1 is left alone: slot 0 held the rejected draft, not
+    the anchor (bar a row that rode along unjudged in a shortened, batched verify). Left to right,
+    so a taken guess can qualify the next one.
 
     Sampling stays lossless: a taken guess is a point mass (`draft_probs` one-hot), decided from
     earlier drafts and the drafter's confidence at j+1, never from the token drawn there.
@@ -63,14 +64,12 @@ def take_hints(prop: Proposal, flow: FlowState, trust: float = HINT_TRUST) -> Pr
     probs = None if prop.draft_probs is None else prop.draft_probs.clone()
     B, K = ids.shape
     valid, seen, guess = (t.to(ids.device) for t in (flow.valid, flow.token_ids, flow.hint_ids))
-    n_flow = int(valid.any(0).sum())  # decoding's flow is a prefix of the block: slots 0..n_flow-1
+    n_flow = int(valid.any(0).sum())  # decoding's flow is a prefix of the block; the one host sync
     for k in range(2, min(K, n_flow) + 1):  # draft k sits at block position k, its guess at flow slot k-1
         j = k - 1
         take = valid[:, j] & (seen[:, j] == ids[:, j - 1])  # [B]
         if conf is not None:
             take &= conf[:, k - 1] < trust
-        if not bool(take.any()):
-            continue
         ids[:, k - 1] = torch.where(take, guess[:, j], ids[:, k - 1])
         if conf is not None:
             conf[:, k - 1] = torch.where(take, conf.new_tensor(trust), conf[:, k - 1])
