@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UserError
+from ..decoding.flow import flow_prefix
 from ..decoding.interfaces import FlowState, Proposal
 from ..decoding.loop import verify_lengths
 from ..decoding.sampling import SamplingParams, propose
@@ -75,7 +76,7 @@ class TorchDrafter:
         block[:, 0] = anchor_ids
         pos = state.lens[:, None] + torch.arange(S, device=self.device)  # [B, S]
         flow = flow if self.uses_flow else None
-        x = m.block_inputs(block, flow, None if flow is None else _valid_prefix(flow.valid))
+        x = m.block_inputs(block, flow, None if flow is None else flow_prefix(flow.valid))
         C = int(state.lens.max())
         ctx_mask = torch.arange(C, device=self.device)[None, :] < state.lens[:, None]  # [B, C]
         mask = torch.cat([ctx_mask[:, None, :].expand(B, S, C), ctx_mask.new_ones(B, S, S)], -1)  # [B, S, C+S]
@@ -92,12 +93,6 @@ class TorchDrafter:
             return parts[0]
         probs = None if parts[0].draft_probs is None else torch.cat([p.draft_probs for p in parts], 1)
         return Proposal(draft_ids=torch.cat([p.draft_ids for p in parts], 1), draft_probs=probs, confidence=conf)
-
-
-def _valid_prefix(valid: torch.Tensor) -> int:
-    """How many leading block slots [B, S] hold any row's flow (decoding's flow is a prefix)."""
-    cols = valid.any(0).nonzero()
-    return int(cols.max()) + 1 if len(cols) else 0
 
 
 def draft_spans(block_size: int, verify_threshold: float) -> list[tuple[int, int]]:
