@@ -1,6 +1,7 @@
 """`dflow-trt bench`: τ, per-position acceptance, tokens/s and speedup per mode and dataset.
 
-Every mode runs greedy on the same prompts; each mode's tokens are checked against `ar`'s
+Every mode runs greedy on the same prompts, interleaved prompt by prompt so that drift in the
+machine's speed cancels out of the speedups; each mode's tokens are checked against `ar`'s
 (lossless), and the result is a table, a JSON file and a PNG plot.
 """
 
@@ -74,24 +75,38 @@ class ModeRun:
         return [sum(a - 1 >= k for a in self.acceptance) / n for k in range(1, self.block_size)]
 
 
-def run_mode(target_name: str, drafter_path: str | None, mode: str, prompts: list[list[int]], max_new_tokens: int,
-             block_size: int | None, stop_token_ids=None, warn=print, target=None,
-             verify_threshold: float = 0.0, hint_trust: float = HINT_TRUST) -> ModeRun:
-    target, model = load_target_and_drafter(target_name, drafter_path, mode, warn=warn, target=target)
-    drafter = TorchDrafter(model, block_size) if model is not None else None
-    tokens, accept, secs, verified, rounds, draft_s, verify_s = [], [], 0.0, 0, [], 0.0, 0.0
-    for p in tqdm(prompts, desc=mode, leave=False):
-        r = generate(target, drafter, [p], mode, max_new_tokens, stop_token_ids=stop_token_ids,
-                     verify_threshold=verify_threshold, hint_trust=hint_trust)
-        tokens.append(r.token_ids[0])
-        accept += r.acceptance_lengths[0]
-        rounds.append(len(r.acceptance_lengths[0]))
-        secs += r.total_s
-        verified += r.verified_drafts
-        draft_s, verify_s = draft_s + r.draft_s, verify_s + r.verify_s
-    name = "-" if model is None else model.config.extra.get("name", Path(drafter_path or "untrained").name)
-    return ModeRun(tokens, accept, secs, name, drafter.block_size if drafter else 1, verified, rounds,
-                   draft_s, verify_s)
+def run_modes(target_name: str, drafters: dict[str, str | None], modes: list[str], prompts: list[list[int]],
+              max_new_tokens: int, block_size: int | None, stop_token_ids=None, warn=print, target=None,
+              verify_threshold: float = 0.0, hint_trust: float = HINT_TRUST, desc: str = "") -> dict[str, ModeRun]:
+    """Decode every prompt in every mode, interleaved: prompt by prompt, each mode in turn (the
+    order rotating per prompt), so a machine that speeds up or slows down while the bench runs
+    moves every mode's tokens/s alike and the speedups stay comparable."""
+    loaded = {}
+    for m in modes:
+        t, model = load_target_and_drafter(target_name, drafters.get(m), m, warn=warn, target=target)
+        loaded[m] = (t, TorchDrafter(model, block_size) if model is not None else None, model)
+    acc = {m: dict(tokens=[], accept=[], secs=0.0, verified=0, rounds=[], draft_s=0.0, verify_s=0.0) for m in modes}
+    for i, p in enumerate(tqdm(prompts, desc=desc or ",".join(modes), leave=False)):
+        for m in modes[i % len(modes):] + modes[:i % len(modes)]:
+            t, drafter, _ = loaded[m]
+            r = generate(t, drafter, [p], m, max_new_tokens, stop_token_ids=stop_token_ids,
+                         verify_threshold=verify_threshold, hint_trust=hint_trust)
+            a = acc[m]
+            a["tokens"].append(r.token_ids[0])
+            a["accept"] += r.acceptance_lengths[0]
+            a["rounds"].append(len(r.acceptance_lengths[0]))
+            a["secs"] += r.total_s
+            a["verified"] += r.verified_drafts
+            a["draft_s"] += r.draft_s
+            a["verify_s"] += r.verify_s
+    runs = {}
+    for m in modes:
+        _, drafter, model = loaded[m]
+        a = acc[m]
+        name = "-" if model is None else model.config.extra.get("name", Path(drafters.get(m) or "untrained").name)
+        runs[m] = ModeRun(a["tokens"], a["accept"], a["secs"], name, drafter.block_size if drafter else 1,
+                          a["verified"], a["rounds"], a["draft_s"], a["verify_s"])
+    return runs
 
 
 def _summary(runs: dict[str, ModeRun]) -> dict:
@@ -195,10 +210,9 @@ def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], da
             raise UserError(f"{ds} has {len(every)} prompts; --first-prompt {first_prompt} leaves none to bench")
         ids = [encode_prompt(loaded.tokenizer, t, chat) for t in texts]
         name = Path(ds).stem if ds.endswith(".jsonl") else ds
-        per_dataset[name] = {m: run_mode(target, drafters.get(m), m, ids, max_new_tokens, block_size,
-                                         warn=lambda s: console.print(f"[yellow]{s}"), target=loaded,
-                                         verify_threshold=verify_threshold, hint_trust=hint_trust)
-                             for m in modes}
+        per_dataset[name] = run_modes(target, drafters, modes, ids, max_new_tokens, block_size,
+                                      warn=lambda s: console.print(f"[yellow]{s}"), target=loaded,
+                                      verify_threshold=verify_threshold, hint_trust=hint_trust, desc=name)
     merged = _merge(per_dataset)
     report = {"target": target, "first_prompt": first_prompt, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "chat": chat,
               "decoding": "greedy", "verify_threshold": verify_threshold, "hint_trust": hint_trust, "modes": _summary(merged),

@@ -5,9 +5,9 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from .decoding.loop import generate
+from .bench import MODES, run_modes
 from .drafter.defaults import load_target_and_drafter
-from .drafter.runtime import TorchDrafter
+from .prompting import encode_prompt
 
 DEMO_PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -41,25 +41,14 @@ def _demo_table(target_name: str, max_new_tokens: int, num_prompts: int, verify_
     table = Table(title=f"{target_name}: greedy, {len(prompts_text)} prompts x {max_new_tokens} new tokens{verify}")
     for col in ("mode", "drafter", "block", "tau", "tokens/s", "speedup", "matches ar"):
         table.add_column(col, justify="right")
-    ar_tokens, ar_tps = None, None
-    for mode in ("ar", "dflash", "dflow"):
-        target, model = load_target_and_drafter(target_name, None, mode, warn=lambda m: console.print(f"[yellow]{m}"))
-        drafter = TorchDrafter(model) if model is not None else None
-        prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                        tokenize=True, return_dict=True)["input_ids"]
-                   for p in prompts_text]
-        results = [generate(target, drafter, [p], mode, max_new_tokens, verify_threshold=verify_threshold)
-                   for p in prompts]
-        tokens = [r.token_ids[0] for r in results]
-        n_tok = sum(len(t) for t in tokens)
-        tps = n_tok / sum(r.total_s for r in results)
-        accept = [a for r in results for a in r.acceptance_lengths[0]]
-        tau = sum(accept) / len(accept)
-        if mode == "ar":
-            ar_tokens, ar_tps = tokens, tps
-        if mode == "ar" and show_sample:
-            console.print(f"[dim]ar sample: {target.tokenizer.decode(tokens[0], skip_special_tokens=True)[:200]!r}")
-        name = "-" if model is None else model.config.extra.get("name", "untrained")
-        table.add_row(mode, name, str(drafter.block_size if drafter else 1), f"{tau:.2f}", f"{tps:.1f}",
-                      f"{tps / ar_tps:.2f}x", "yes" if tokens == ar_tokens else "NO")
+    target, _ = load_target_and_drafter(target_name, None, "ar")
+    prompts = [encode_prompt(target.tokenizer, p, chat=True) for p in prompts_text]
+    runs = run_modes(target_name, {}, list(MODES), prompts, max_new_tokens, None, target=target,
+                     warn=lambda m: console.print(f"[yellow]{m}"), verify_threshold=verify_threshold)
+    ar = runs["ar"]
+    if show_sample:
+        console.print(f"[dim]ar sample: {target.tokenizer.decode(ar.tokens[0], skip_special_tokens=True)[:200]!r}")
+    for mode, r in runs.items():
+        table.add_row(mode, r.drafter, str(r.block_size), f"{r.tau:.2f}", f"{r.tokens_per_s:.1f}",
+                      f"{r.tokens_per_s / ar.tokens_per_s:.2f}x", "yes" if r.tokens == ar.tokens else "NO")
     console.print(table)

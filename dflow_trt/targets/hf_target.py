@@ -1,7 +1,7 @@
 """PyTorch target: any Hugging Face causal LM, verifying blocks against its own KV cache.
 
 Rows of a batch accept different numbers of drafts, so each row's KV cache has its own length.
-We keep one padded `DynamicCache` and a per-row validity mask over its slots instead of ragged
+We keep one padded KV cache (a `DynamicCache` growing in place, `kv_cache.py`) and a per-row validity mask over its slots instead of ragged
 caches: rejected slots of the last block are masked out for good and the trailing slots no row
 uses are cropped. With one row this is an exact crop (no holes ever).
 """
@@ -17,6 +17,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from ..decoding.interfaces import TargetInfo, TargetOutput
 from ..errors import UserError
+from .kv_cache import new_kv_cache
 
 
 def default_tap_layers(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
@@ -121,7 +122,7 @@ class HFTarget:
             raise UserError("every prompt needs at least one token")
         valid = torch.arange(T, device=self.device)[None, :] >= (T - prompt_lens)[:, None]  # [B, T]
         pos = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
-        cache = HFCache(kv=DynamicCache(config=self.model.config), valid=valid, next_pos=prompt_lens.clone())
+        cache = HFCache(kv=new_kv_cache(self.model.config), valid=valid, next_pos=prompt_lens.clone())
         return cache, self._forward(input_ids, valid, pos, cache.kv)
 
     def verify(self, cache: HFCache, block_ids: torch.Tensor) -> TargetOutput:

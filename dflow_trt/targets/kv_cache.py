@@ -1,0 +1,70 @@
+"""The target's KV cache: transformers' `DynamicCache` whose layers grow a buffer in place.
+
+`DynamicLayer.update` concatenates every layer's whole cache with the new keys and values on
+every forward, so each decoding step copies the entire cache once per layer, and a crop (every
+speculative round with a rejection) leaves a strided view that the next concatenation copies more
+slowly still. `GrowingLayer` writes the new slots into a buffer with spare capacity (grown
+geometrically, so appends stay amortised O(new slots)) and hands out views of its filled part; a
+crop only shortens the view. The keys and values, hence every attention result, are the same.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+class GrowingLayer(DynamicLayer):
+    """`DynamicLayer` with an in-place, geometrically grown buffer [B, Hkv, capacity, D].
+
+    `keys`/`values` stay what `DynamicLayer` promises (the cached states [B, Hkv, T, D]), now as
+    views of the buffer. Methods inherited from `DynamicLayer` that rebind them (crop, batch
+    selection, reordering) keep working: the next `update` adopts whatever they left.
+    """
+
+    _k: torch.Tensor | None = None  # buffers; slots [0, _n) are filled
+    _v: torch.Tensor | None = None
+    _n: int = 0
+    _handed_out: torch.Tensor | None = None  # the last `keys` view made here
+
+    def _adopt(self) -> None:
+        """Re-read `keys`/`values` after an inherited method rebound them."""
+        k = self.keys
+        if k is None or k.numel() == 0:
+            self._k = self._v = None
+            self._n = 0
+        elif (self._k is not None and k.dim() == 4 and k.data_ptr() == self._k.data_ptr()
+              and k.stride() == self._k.stride() and k.shape[:2] == self._k.shape[:2]):
+            self._n = k.shape[2]  # a shorter view of the same buffer: a crop
+        else:
+            self._k, self._v, self._n = k, self.values, k.shape[2]  # a new tensor: full, grows on the next update
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.keys is not self._handed_out:
+            self._adopt()
+        B, H, S, D = key_states.shape
+        n = self._n
+        if self._k is None or n + S > self._k.shape[2] or self._k.shape[:2] != (B, H):
+            cap = max(n + S, 2 * (0 if self._k is None else self._k.shape[2]), 64)
+            k, v = key_states.new_empty(B, H, cap, D), value_states.new_empty(B, H, cap, D)
+            if n:
+                k[:, :, :n], v[:, :, :n] = self._k[:, :, :n], self._v[:, :, :n]
+            self._k, self._v = k, v
+        self._k[:, :, n:n + S] = key_states
+        self._v[:, :, n:n + S] = value_states
+        self._n = n + S
+        self.keys, self.values = self._k[:, :, :self._n], self._v[:, :, :self._n]  # [B, Hkv, T, D]
+        self._handed_out = self.keys
+        return self.keys, self.values
+
+
+def new_kv_cache(config) -> DynamicCache:
+    """An empty cache for a model with `config`: growing layers where transformers would make
+    plain dynamic ones (full attention), its own layer types (sliding windows, ...) elsewhere."""
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
