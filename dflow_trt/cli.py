@@ -64,7 +64,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_demo(a: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(a.target, a.max_new_tokens, a.num_prompts, a.verify_threshold)
+    return run_demo(a.target, a.max_new_tokens, a.num_prompts, a.verify_threshold, a.hint_trust)
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -94,7 +94,8 @@ def cmd_client(a: argparse.Namespace) -> int:
     send = generate_http if a.protocol == "http" else generate_grpc
     res = send(url, a.model, on_tokens=show, prompt=a.prompt, max_tokens=a.max_new_tokens, mode=a.mode,
                temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
-               stop_words=a.stop or None, block_size=a.block_size, chat=a.chat, verify_threshold=a.verify_threshold)
+               stop_words=a.stop or None, block_size=a.block_size, chat=a.chat, verify_threshold=a.verify_threshold,
+               hint_trust=a.hint_trust)
     if a.json:
         print(json.dumps(res.as_dict()))
     else:
@@ -178,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=48)
     d.add_argument("--num-prompts", type=int, default=3)
     _add_verify_threshold(d, None, "; default: a table for 0, then one for the CPU's 0.05")
+    _add_hint_trust(d)
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="tau, acceptance by position, tokens/s and speedup per mode and dataset")
@@ -213,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--stream", action="store_true", help="print text as rounds commit it")
     c.add_argument("--json", action="store_true", help="print one JSON object at the end")
     _add_verify_threshold(c)
+    _add_hint_trust(c)
     _add_sampling(c)
     c.set_defaults(func=cmd_client)
 

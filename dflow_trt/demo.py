@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .bench import MODES, run_modes
+from .decoding.flow import HINT_TRUST
 from .drafter.defaults import load_target_and_drafter
 from .prompting import encode_prompt
 
@@ -24,17 +25,17 @@ CPU_VERIFY_THRESHOLD = 0.05
 
 
 def run_demo(target_name: str = "smollm2-135m", max_new_tokens: int = 48, num_prompts: int = 3,
-             verify_threshold: float | None = None) -> int:
+             verify_threshold: float | None = None, hint_trust: float = HINT_TRUST) -> int:
     """One table per setting: `verify_threshold`, or by default the whole block and then the CPU's
     threshold (the demo runs on the CPU), so the algorithm as designed and the setting that pays
     on this hardware are both shown."""
     for i, t in enumerate((0.0, CPU_VERIFY_THRESHOLD) if verify_threshold is None else (verify_threshold,)):
-        _demo_table(target_name, max_new_tokens, num_prompts, t, show_sample=i == 0)
+        _demo_table(target_name, max_new_tokens, num_prompts, t, hint_trust, show_sample=i == 0)
     return 0
 
 
 def _demo_table(target_name: str, max_new_tokens: int, num_prompts: int, verify_threshold: float,
-                show_sample: bool) -> None:
+                hint_trust: float, show_sample: bool) -> None:
     console = Console()
     prompts_text = DEMO_PROMPTS[:num_prompts]
     verify = f", verify threshold {verify_threshold:g}" if verify_threshold else ""
@@ -44,7 +45,8 @@ def _demo_table(target_name: str, max_new_tokens: int, num_prompts: int, verify_
     target, _ = load_target_and_drafter(target_name, None, "ar")
     prompts = [encode_prompt(target.tokenizer, p, chat=True) for p in prompts_text]
     runs = run_modes(target_name, {}, list(MODES), prompts, max_new_tokens, None, target=target,
-                     warn=lambda m: console.print(f"[yellow]{m}"), verify_threshold=verify_threshold)
+                     warn=lambda m: console.print(f"[yellow]{m}"), verify_threshold=verify_threshold,
+                     hint_trust=hint_trust)
     ar = runs["ar"]
     if show_sample:
         console.print(f"[dim]ar sample: {target.tokenizer.decode(ar.tokens[0], skip_special_tokens=True)[:200]!r}")

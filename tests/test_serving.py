@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from dflow_trt.backends.loading import load_backends
+from dflow_trt.decoding.flow import HINT_TRUST
 from dflow_trt.decoding.loop import generate
 from dflow_trt.errors import UserError
 from dflow_trt.prompting import encode_prompt
@@ -82,6 +83,22 @@ def test_verify_threshold_over_triton_keeps_the_tokens(tiny_server, tiny_referen
         assert got.token_ids == tiny_reference(PROMPTS[0], mode, 24, 4), (model, mode)
         # the untrained drafter is sure (0.996 per draft, its mask token) but not 0.99-sure of three
         assert got.stats["rounds"] <= got.stats["verified_drafts"] < 3 * got.stats["rounds"], got.stats
+
+
+@pytest.mark.parametrize("model", ["dflow", "dflow_bls"])
+def test_hint_trust_over_triton_reaches_the_loop(tiny_server, model):
+    """The request's hint_trust reaches the decoding loop: the server reports the hints a local
+    decode at the same trust takes (none at 0, more at 1 than at the default), with its tokens."""
+    target, drafter = load_backends("tiny-qwen3", None, "dflow", "torch", None, 8, log=lambda m: None)
+    ids = encode_prompt(target.tokenizer, PROMPTS[4], False)
+    local = {t: generate(target, drafter, [ids], "dflow", 40, hint_trust=t) for t in (0.0, HINT_TRUST, 1.0)}
+    assert local[0.0].hints_taken == 0 < local[HINT_TRUST].hints_taken < local[1.0].hints_taken
+    for trust, res in local.items():
+        got = generate_grpc(tiny_server.grpc_url, model, prompt=PROMPTS[4], mode="dflow", max_tokens=40, block_size=8,
+                            hint_trust=None if trust == HINT_TRUST else trust)  # None: the server's default
+        assert got.token_ids == res.token_ids[0], (model, trust)
+        assert got.stats["hints_taken"] == res.hints_taken, (model, trust)
+        assert got.stats["acceptance_lengths"] == res.acceptance_lengths[0], (model, trust)
 
 
 def test_streaming_delivers_rounds(tiny_server):
@@ -237,6 +254,7 @@ def test_bls_target_sessions_are_released(tiny_server, tiny_reference):
     ({"block_size": 1}, "block_size"),
     ({"temperature": -1.0}, "temperature"),
     ({"verify_threshold": 1.5}, "verify_threshold"),
+    ({"hint_trust": -0.1}, "hint_trust"),
 ])
 def test_bad_requests_get_an_error_and_the_server_keeps_serving(tiny_server, change, needle):
     req = {"prompt": "hi", "mode": "dflow", "max_tokens": 4, **change}

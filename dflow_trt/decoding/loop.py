@@ -35,6 +35,7 @@ class GenerationResult:
     total_s: float = 0.0
     rounds: int = 0
     verified_drafts: int = 0  # drafts sent to the target, all rows' rounds (the verify cost beside τ)
+    hints_taken: int = 0  # dflow: drafts a verifier hint replaced (`take_hints`), all rows' rounds
     finish_reasons: list[str] = field(default_factory=list)  # "stop" | "length"
 
     @property
@@ -121,6 +122,7 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
     flow: FlowState | None = None
     draft_s = verify_s = 0.0
     rounds = verified = 0
+    hints = torch.zeros((), dtype=torch.long)  # summed where the drafts live, read once at the end
     while not all(done):
         rounds += 1
         t0 = time.perf_counter()
@@ -129,7 +131,9 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
             prop = drafter.draft(dstate, new_ctx, new_ctx_lens, anchor, anchor_pos,
                                  flow if mode == "dflow" else None, sampling, verify_threshold)
             if mode == "dflow" and flow is not None and hint_trust > 0:
-                prop = take_hints(prop, flow, hint_trust)
+                hinted = take_hints(prop, flow, hint_trust)
+                hints = hints.to(hinted.draft_ids.device) + (hinted.draft_ids != prop.draft_ids).sum()
+                prop = hinted
             if verify_threshold > 0 and prop.confidence is not None:
                 n_drafts = verify_lengths(prop.confidence, verify_threshold).to(anchor.device)  # [B]
             k = None if n_drafts is None else int(n_drafts.max())  # the batch verifies its longest row's drafts
@@ -173,7 +177,8 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
             break
     return GenerationResult(token_ids=tokens, acceptance_lengths=accept_lens, prefill_s=prefill_s,
                             draft_s=draft_s, verify_s=verify_s, total_s=time.perf_counter() - t_start,
-                            rounds=rounds, verified_drafts=verified, finish_reasons=reasons)
+                            rounds=rounds, verified_drafts=verified, hints_taken=int(hints),
+                            finish_reasons=reasons)
 
 
 

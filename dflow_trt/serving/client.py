@@ -36,7 +36,8 @@ class ClientResult:
 def request_arrays(prompt: str | None = None, input_ids: list[int] | None = None, max_tokens: int = 64,
                    mode: str = "dflow", temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                    seed: int | None = None, stop_words: list[str] | None = None, block_size: int | None = None,
-                   chat: bool = False, verify_threshold: float = 0.0) -> dict[str, np.ndarray]:
+                   chat: bool = False, verify_threshold: float = 0.0,
+                   hint_trust: float | None = None) -> dict[str, np.ndarray]:
     x = {"max_tokens": np.array([max_tokens], np.int32), "mode": np.array([mode.encode()], dtype=object),
          "temperature": np.array([temperature], np.float32), "top_p": np.array([top_p], np.float32),
          "top_k": np.array([top_k], np.int32), "chat": np.array([chat], bool)}
@@ -52,6 +53,8 @@ def request_arrays(prompt: str | None = None, input_ids: list[int] | None = None
         x["block_size"] = np.array([block_size], np.int32)
     if verify_threshold:
         x["verify_threshold"] = np.array([verify_threshold], np.float32)
+    if hint_trust is not None:  # else the server's default
+        x["hint_trust"] = np.array([hint_trust], np.float32)
     return x
 
 

@@ -309,14 +309,15 @@ class DecodingEngine:
                     res = generate_llmapi(loaded.llm, prompt_ids, req.max_tokens, sampling, on_round=on_round)
                 else:
                     res = generate(loaded.target, drafter, [prompt_ids], req.mode, req.max_tokens, sampling,
-                                   on_round=on_round, verify_threshold=req.verify_threshold)
+                                   on_round=on_round, verify_threshold=req.verify_threshold, hint_trust=req.hint_trust)
             finally:
                 with self._lock:
                     self._active.pop(rid, None)
         reason = "cancelled" if sent["cancelled"] else (sent["stopped"] or res.finish_reasons[0])
         acc = res.acceptance_lengths[0]
         stats = {"mode": req.mode, "num_tokens": len(tokens), "tau": res.tau, "acceptance_lengths": acc,
-                 "rounds": res.rounds, "verified_drafts": res.verified_drafts, "finish_reason": reason,
+                 "rounds": res.rounds, "verified_drafts": res.verified_drafts, "hints_taken": res.hints_taken,
+                 "finish_reason": reason,
                  "prefill_s": res.prefill_s, "draft_s": res.draft_s, "verify_s": res.verify_s, "total_s": res.total_s,
                  "tokens_per_s": len(tokens) / res.total_s if res.total_s > 0 else 0.0,
                  "block_size": drafter.block_size if drafter else loaded.block_size, "prompt_tokens": len(prompt_ids),

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..decoding.flow import HINT_TRUST
 from ..decoding.loop import MODES
 from ..errors import UserError
 
@@ -38,6 +39,7 @@ class DecodeRequest:
     block_size: int | None = None
     chat: bool = False
     verify_threshold: float = 0.0  # verify only drafts the drafter is this sure of (0: the whole block)
+    hint_trust: float = HINT_TRUST  # dflow: take the verifier's guess over drafts less sure than this (0: off)
 
 
 def _scalar(inputs: dict[str, np.ndarray], name: str, kind, default=None):
@@ -79,6 +81,9 @@ def parse_request(inputs: dict[str, np.ndarray], limits: Limits = Limits()) -> D
     verify_threshold = _scalar(inputs, "verify_threshold", float, 0.0)
     if not 0.0 <= verify_threshold < 1.0:
         raise RequestError(f"verify_threshold must be in [0, 1), got {verify_threshold}")
+    hint_trust = _scalar(inputs, "hint_trust", float, HINT_TRUST)
+    if not 0.0 <= hint_trust <= 1.0:
+        raise RequestError(f"hint_trust must be in [0, 1], got {hint_trust}")
     stop = inputs.get("stop_words")
     stop_words = [s.decode("utf-8", "replace") if isinstance(s, (bytes, np.bytes_)) else str(s)
                   for s in (np.asarray(stop).reshape(-1) if stop is not None else [])]
@@ -86,7 +91,8 @@ def parse_request(inputs: dict[str, np.ndarray], limits: Limits = Limits()) -> D
                         temperature=_scalar(inputs, "temperature", float, 0.0),
                         top_p=_scalar(inputs, "top_p", float, 1.0), top_k=_scalar(inputs, "top_k", int, 0),
                         seed=seed, stop_words=[s for s in stop_words if s], block_size=block or None,
-                        chat=bool(_scalar(inputs, "chat", bool, False)), verify_threshold=verify_threshold)
+                        chat=bool(_scalar(inputs, "chat", bool, False)), verify_threshold=verify_threshold,
+                        hint_trust=hint_trust)
     from ..decoding.sampling import SamplingParams
 
     try:
