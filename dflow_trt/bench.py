@@ -81,6 +81,7 @@ def run_modes(target_name: str, drafters: dict[str, str | None], modes: list[str
     """Decode every prompt in every mode, interleaved: prompt by prompt, each mode in turn (the
     order rotating per prompt), so a machine that speeds up or slows down while the bench runs
     moves every mode's tokens/s alike and the speedups stay comparable."""
+    modes = list(dict.fromkeys(modes))  # a mode named twice runs once
     loaded = {}
     for m in modes:
         t, model = load_target_and_drafter(target_name, drafters.get(m), m, warn=warn, target=target)

@@ -21,12 +21,14 @@ def _add_verify_threshold(p: argparse.ArgumentParser, default: float | None = 0.
                    help="verify only drafts whose estimated acceptance chance is >= this (0: the whole block)" + extra)
 
 
-def _add_hint_trust(p: argparse.ArgumentParser) -> None:
+def _add_hint_trust(p: argparse.ArgumentParser, server: bool = False) -> None:
+    """`server`: the client sends the value only when given, so older model repositories still serve it."""
     from .decoding.flow import HINT_TRUST
 
-    p.add_argument("--hint-trust", type=float, default=HINT_TRUST,
+    p.add_argument("--hint-trust", type=float, default=None if server else HINT_TRUST,
                    help=f"dflow: take the verifier's guess over a draft the drafter is less sure of than this, "
-                        f"where the flow shows the verifier read the same token before it (0: off; default {HINT_TRUST})")
+                        f"where the flow shows the verifier read the same token before it (0: off; "
+                        f"default {'the server' + chr(39) + 's, ' if server else ''}{HINT_TRUST})")
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -215,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--stream", action="store_true", help="print text as rounds commit it")
     c.add_argument("--json", action="store_true", help="print one JSON object at the end")
     _add_verify_threshold(c)
-    _add_hint_trust(c)
+    _add_hint_trust(c, server=True)
     _add_sampling(c)
     c.set_defaults(func=cmd_client)
 

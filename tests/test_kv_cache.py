@@ -1,6 +1,7 @@
 """The in-place KV cache: the same keys, values and logits as transformers' DynamicCache, without
 copying the cache on every step."""
 
+import pytest
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -40,9 +41,16 @@ def test_appends_write_in_place_until_the_buffer_is_full():
         layer.update(*_kv(1, 2, i + 1))
         if i % 3 == 0:
             layer.crop(-1)
-    assert layer.keys.data_ptr() == start  # 10 + 20 * 2 - 7 slots fit the first 64: never copied
-    layer.update(*_kv(1, 40, 99))  # past the capacity: one copy into a buffer twice as large
-    assert layer.keys.data_ptr() != start and layer._k.shape[2] == 128 and layer.get_seq_length() == 83
+    assert layer.keys.data_ptr() == start  # 10 + 20 * 2 - 7 slots fit the first 10 + 64: never copied
+    layer.update(*_kv(1, 40, 99))  # past the capacity: one copy into a larger buffer, with room to spare
+    assert layer.keys.data_ptr() != start and layer._k.shape[2] > layer.get_seq_length() == 83
+
+
+def test_an_update_of_another_batch_is_refused():
+    layer = GrowingLayer()
+    layer.update(*_kv(2, 5, 0))
+    with pytest.raises(ValueError, match="batch methods"):
+        layer.update(*_kv(1, 1, 1))
 
 
 def test_target_forward_is_bitwise_the_same_with_either_cache(tiny_qwen3):

@@ -58,13 +58,19 @@ def test_verifier_hints_are_lossless(tiny_qwen3, monkeypatch, S):
     prompts, max_new = _prompts(tiny_qwen3, 6), 40
     ar = [generate(tiny_qwen3, None, [p], "ar", max_new, stop_token_ids=()).token_ids[0] for p in prompts]
     d = TorchDrafter(build_drafter(tiny_qwen3, untrained_config(tiny_qwen3, flow=True, block_size=S)), S)
-    reported = 0
     for threshold in (0.0, 0.3):
+        before = spy.taken
         res = generate(tiny_qwen3, d, prompts, "dflow", max_new, stop_token_ids=(), verify_threshold=threshold,
                        hint_trust=1.0)
         assert res.token_ids == ar, (S, threshold)
-        reported += res.hints_taken
-    assert spy.taken > 0 and reported == spy.taken  # the result counts what take_hints replaced
+        assert res.hints_taken <= spy.taken - before  # only the drafts sent to the target count
+    assert spy.taken > 0
+    # one row, the whole block: every replaced draft is verified while its row decodes, so the
+    # result counts all that take_hints replaced (shortened or batched runs count fewer: unsent drafts)
+    before, counted = spy.taken, 0
+    for p in prompts:
+        counted += generate(tiny_qwen3, d, [p], "dflow", max_new, stop_token_ids=(), hint_trust=1.0).hints_taken
+    assert counted == spy.taken - before > 0
 
 
 def test_single_row_equals_batched(tiny_qwen3):

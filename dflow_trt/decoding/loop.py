@@ -35,7 +35,7 @@ class GenerationResult:
     total_s: float = 0.0
     rounds: int = 0
     verified_drafts: int = 0  # drafts sent to the target, all rows' rounds (the verify cost beside τ)
-    hints_taken: int = 0  # dflow: drafts a verifier hint replaced (`take_hints`), all rows' rounds
+    hints_taken: int = 0  # dflow: verified drafts a verifier hint had replaced (`take_hints`), all rows' rounds
     finish_reasons: list[str] = field(default_factory=list)  # "stop" | "length"
 
     @property
@@ -130,12 +130,18 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
         if speculative:
             prop = drafter.draft(dstate, new_ctx, new_ctx_lens, anchor, anchor_pos,
                                  flow if mode == "dflow" else None, sampling, verify_threshold)
+            replaced = None
             if mode == "dflow" and flow is not None and hint_trust > 0:
                 hinted = take_hints(prop, flow, hint_trust)
-                hints = hints.to(hinted.draft_ids.device) + (hinted.draft_ids != prop.draft_ids).sum()
-                prop = hinted
+                replaced, prop = hinted.draft_ids != prop.draft_ids, hinted  # [B, K]
             if verify_threshold > 0 and prop.confidence is not None:
                 n_drafts = verify_lengths(prop.confidence, verify_threshold).to(anchor.device)  # [B]
+            if replaced is not None:  # count what a live row sends to the target, as `verified` does
+                dev = replaced.device
+                sent = torch.arange(replaced.shape[1], device=dev)[None, :] < (
+                    replaced.shape[1] if n_drafts is None else n_drafts.to(dev)[:, None])  # [B, K]
+                live = torch.tensor([not d for d in done], device=dev)[:, None]  # [B, 1]
+                hints = hints.to(dev) + (replaced & sent & live).sum()
             k = None if n_drafts is None else int(n_drafts.max())  # the batch verifies its longest row's drafts
             drafts, draft_probs = prop.draft_ids[:, :k], None if prop.draft_probs is None else prop.draft_probs[:, :k]
             block = torch.cat([anchor[:, None], drafts.to(anchor.device)], 1)  # [B, k+1]

@@ -3,9 +3,10 @@
 `DynamicLayer.update` concatenates every layer's whole cache with the new keys and values on
 every forward, so each decoding step copies the entire cache once per layer, and a crop (every
 speculative round with a rejection) leaves a strided view that the next concatenation copies more
-slowly still. `GrowingLayer` writes the new slots into a buffer with spare capacity (grown
-geometrically, so appends stay amortised O(new slots)) and hands out views of its filled part; a
-crop only shortens the view. The keys and values, hence every attention result, are the same.
+slowly still. `GrowingLayer` writes the new slots into a buffer with spare capacity (grown by
+half plus a few slots, so appends stay amortised O(new slots) and memory within 1.5x + 64 slots of
+the filled part) and hands out views of its filled part; a crop only shortens the view. The keys
+and values, hence every attention result, are the same.
 """
 
 from __future__ import annotations
@@ -14,9 +15,16 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+# Spare slots past the filled ones whenever the buffer is (re)made: a prompt's prefill fills its
+# buffer, and the verify passes after it should not all reallocate.
+HEADROOM = 64
+
 
 class GrowingLayer(DynamicLayer):
     """`DynamicLayer` with an in-place, geometrically grown buffer [B, Hkv, capacity, D].
+
+    The batch, heads, head size and dtype change only through the inherited batch methods
+    (which copy); an `update` with other shapes is refused, where `torch.cat` would fail too.
 
     `keys`/`values` stay what `DynamicLayer` promises (the cached states [B, Hkv, T, D]), now as
     views of the buffer. Methods inherited from `DynamicLayer` that rebind them (crop, batch
@@ -48,8 +56,11 @@ class GrowingLayer(DynamicLayer):
             self._adopt()
         B, H, S, D = key_states.shape
         n = self._n
+        if n and (self._k.shape[:2] != (B, H) or self._k.shape[3] != D or self._k.dtype != key_states.dtype):
+            raise ValueError(f"cache holds {tuple(self._k.shape)} {self._k.dtype} states, got {tuple(key_states.shape)} "
+                             f"{key_states.dtype}: change the batch with the cache's batch methods first")
         if self._k is None or n + S > self._k.shape[2] or self._k.shape[:2] != (B, H):
-            cap = max(n + S, 2 * (0 if self._k is None else self._k.shape[2]), 64)
+            cap = max(n + S + HEADROOM, int(1.5 * (0 if self._k is None else self._k.shape[2])))
             k, v = key_states.new_empty(B, H, cap, D), value_states.new_empty(B, H, cap, D)
             if n:
                 k[:, :, :n], v[:, :, :n] = self._k[:, :, :n], self._v[:, :, :n]
