@@ -82,31 +82,26 @@ def run_modes(target_name: str, drafters: dict[str, str | None], modes: list[str
     order rotating per prompt), so a machine that speeds up or slows down while the bench runs
     moves every mode's tokens/s alike and the speedups stay comparable."""
     modes = list(dict.fromkeys(modes))  # a mode named twice runs once
-    loaded = {}
+    loaded, runs = {}, {}
     for m in modes:
         t, model = load_target_and_drafter(target_name, drafters.get(m), m, warn=warn, target=target)
-        loaded[m] = (t, TorchDrafter(model, block_size) if model is not None else None, model)
-    acc = {m: dict(tokens=[], accept=[], secs=0.0, verified=0, rounds=[], draft_s=0.0, verify_s=0.0) for m in modes}
+        drafter = TorchDrafter(model, block_size) if model is not None else None
+        loaded[m] = (t, drafter)
+        name = "-" if model is None else model.config.extra.get("name", Path(drafters.get(m) or "untrained").name)
+        runs[m] = ModeRun([], [], 0.0, name, drafter.block_size if drafter else 1)
     for i, p in enumerate(tqdm(prompts, desc=desc or ",".join(modes), leave=False)):
         for m in modes[i % len(modes):] + modes[:i % len(modes)]:
-            t, drafter, _ = loaded[m]
+            t, drafter = loaded[m]
             r = generate(t, drafter, [p], m, max_new_tokens, stop_token_ids=stop_token_ids,
                          verify_threshold=verify_threshold, hint_trust=hint_trust)
-            a = acc[m]
-            a["tokens"].append(r.token_ids[0])
-            a["accept"] += r.acceptance_lengths[0]
-            a["rounds"].append(len(r.acceptance_lengths[0]))
-            a["secs"] += r.total_s
-            a["verified"] += r.verified_drafts
-            a["draft_s"] += r.draft_s
-            a["verify_s"] += r.verify_s
-    runs = {}
-    for m in modes:
-        _, drafter, model = loaded[m]
-        a = acc[m]
-        name = "-" if model is None else model.config.extra.get("name", Path(drafters.get(m) or "untrained").name)
-        runs[m] = ModeRun(a["tokens"], a["accept"], a["secs"], name, drafter.block_size if drafter else 1,
-                          a["verified"], a["rounds"], a["draft_s"], a["verify_s"])
+            run = runs[m]
+            run.tokens.append(r.token_ids[0])
+            run.acceptance += r.acceptance_lengths[0]
+            run.rounds_per_prompt.append(len(r.acceptance_lengths[0]))
+            run.seconds += r.total_s
+            run.verified += r.verified_drafts
+            run.draft_seconds += r.draft_s
+            run.verify_seconds += r.verify_s
     return runs
 
 

@@ -25,10 +25,10 @@ def _add_hint_trust(p: argparse.ArgumentParser, server: bool = False) -> None:
     """`server`: the client sends the value only when given, so older model repositories still serve it."""
     from .decoding.flow import HINT_TRUST
 
+    default = f"the server's, {HINT_TRUST}" if server else f"{HINT_TRUST}"
     p.add_argument("--hint-trust", type=float, default=None if server else HINT_TRUST,
                    help=f"dflow: take the verifier's guess over a draft the drafter is less sure of than this, "
-                        f"where the flow shows the verifier read the same token before it (0: off; "
-                        f"default {'the server' + chr(39) + 's, ' if server else ''}{HINT_TRUST})")
+                        f"where the flow shows the verifier read the same token before it (0: off; default {default})")
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -121,27 +121,20 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
     new_ctx, new_ctx_lens = right_align(out.taps, lens), lens.clone()
     flow: FlowState | None = None
     draft_s = verify_s = 0.0
-    rounds = verified = 0
-    hints = torch.zeros((), dtype=torch.long)  # summed where the drafts live, read once at the end
+    rounds = verified = hints = 0
     while not all(done):
         rounds += 1
         t0 = time.perf_counter()
         n_drafts = None  # per row: how many drafts it proposes (None: all)
+        replaced = None  # [B, K] dflow: drafts a verifier hint replaced
         if speculative:
             prop = drafter.draft(dstate, new_ctx, new_ctx_lens, anchor, anchor_pos,
                                  flow if mode == "dflow" else None, sampling, verify_threshold)
-            replaced = None
             if mode == "dflow" and flow is not None and hint_trust > 0:
                 hinted = take_hints(prop, flow, hint_trust)
                 replaced, prop = hinted.draft_ids != prop.draft_ids, hinted  # [B, K]
             if verify_threshold > 0 and prop.confidence is not None:
                 n_drafts = verify_lengths(prop.confidence, verify_threshold).to(anchor.device)  # [B]
-            if replaced is not None:  # count what a live row sends to the target, as `verified` does
-                dev = replaced.device
-                sent = torch.arange(replaced.shape[1], device=dev)[None, :] < (
-                    replaced.shape[1] if n_drafts is None else n_drafts.to(dev)[:, None])  # [B, K]
-                live = torch.tensor([not d for d in done], device=dev)[:, None]  # [B, 1]
-                hints = hints.to(dev) + (replaced & sent & live).sum()
             k = None if n_drafts is None else int(n_drafts.max())  # the batch verifies its longest row's drafts
             drafts, draft_probs = prop.draft_ids[:, :k], None if prop.draft_probs is None else prop.draft_probs[:, :k]
             block = torch.cat([anchor[:, None], drafts.to(anchor.device)], 1)  # [B, k+1]
@@ -166,12 +159,15 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
 
         acc, nxt_l, blk = num_acc.tolist(), nxt.tolist(), block.tolist()  # one host sync per round
         proposed = [len(blk[0]) - 1] * B if n_drafts is None else n_drafts.tolist()
+        replaced_upto = None if replaced is None else replaced.long().cumsum(1).tolist()  # [B][K]: among drafts 1..k
         committed: list[list[int]] = [[] for _ in range(B)]
         for b in range(B):
             if done[b]:
                 continue
             accept_lens[b].append(acc[b] + 1)
             verified += proposed[b]
+            if replaced_upto is not None:  # counted like `verified`: the drafts this row sent
+                hints += replaced_upto[b][proposed[b] - 1]
             for t in blk[b][1:acc[b] + 1] + [nxt_l[b]]:
                 committed[b].append(t)
                 tokens[b].append(t)
@@ -183,7 +179,7 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
             break
     return GenerationResult(token_ids=tokens, acceptance_lengths=accept_lens, prefill_s=prefill_s,
                             draft_s=draft_s, verify_s=verify_s, total_s=time.perf_counter() - t_start,
-                            rounds=rounds, verified_drafts=verified, hints_taken=int(hints),
+                            rounds=rounds, verified_drafts=verified, hints_taken=hints,
                             finish_reasons=reasons)
 
 

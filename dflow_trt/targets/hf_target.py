@@ -1,9 +1,9 @@
 """PyTorch target: any Hugging Face causal LM, verifying blocks against its own KV cache.
 
 Rows of a batch accept different numbers of drafts, so each row's KV cache has its own length.
-We keep one padded KV cache (a `DynamicCache` growing in place, `kv_cache.py`) and a per-row validity mask over its slots instead of ragged
-caches: rejected slots of the last block are masked out for good and the trailing slots no row
-uses are cropped. With one row this is an exact crop (no holes ever).
+We keep one padded KV cache (a `DynamicCache` growing in place, `kv_cache.py`) and a per-row
+validity mask over its slots instead of ragged caches: rejected slots of the last block are masked
+out for good and the trailing slots no row uses are cropped. With one row this is an exact crop (no holes ever).
 """
 
 from __future__ import annotations
