@@ -48,6 +48,7 @@ class ModeRun:
     rounds_per_prompt: list[int] = field(default_factory=list)  # slices `acceptance` by prompt
     draft_seconds: float = 0.0  # the drafter's share of `seconds` (the loop's draft_s)
     verify_seconds: float = 0.0  # the target's verify passes and acceptance (the loop's verify_s)
+    alternatives_taken: int = 0  # rounds that committed a first-draft alternative (`generate(alternatives=)`)
 
     def prompt_taus(self) -> list[float | None]:
         out, i = [], 0
@@ -77,7 +78,8 @@ class ModeRun:
 
 def run_modes(target_name: str, drafters: dict[str, str | None], modes: list[str], prompts: list[list[int]],
               max_new_tokens: int, block_size: int | None, stop_token_ids=None, warn=print, target=None,
-              verify_threshold: float = 0.0, hint_trust: float = HINT_TRUST, desc: str = "") -> dict[str, ModeRun]:
+              verify_threshold: float = 0.0, hint_trust: float = HINT_TRUST, desc: str = "",
+              alternatives: int = 0) -> dict[str, ModeRun]:
     """Decode every prompt in every mode, interleaved: prompt by prompt, each mode in turn (the
     order rotating per prompt), so a machine that speeds up or slows down while the bench runs
     moves every mode's tokens/s alike and the speedups stay comparable."""
@@ -93,13 +95,14 @@ def run_modes(target_name: str, drafters: dict[str, str | None], modes: list[str
         for m in modes[i % len(modes):] + modes[:i % len(modes)]:
             t, drafter = loaded[m]
             r = generate(t, drafter, [p], m, max_new_tokens, stop_token_ids=stop_token_ids,
-                         verify_threshold=verify_threshold, hint_trust=hint_trust)
+                         verify_threshold=verify_threshold, hint_trust=hint_trust, alternatives=alternatives)
             run = runs[m]
             run.tokens.append(r.token_ids[0])
             run.acceptance += r.acceptance_lengths[0]
             run.rounds_per_prompt.append(len(r.acceptance_lengths[0]))
             run.seconds += r.total_s
             run.verified += r.verified_drafts
+            run.alternatives_taken += r.alternatives_taken
             run.draft_seconds += r.draft_s
             run.verify_seconds += r.verify_s
     return runs
@@ -118,6 +121,7 @@ def _summary(runs: dict[str, ModeRun]) -> dict:
                      "drafts_verified_per_round": r.verified / max(1, len(r.acceptance)),
                      "draft_ms_per_round": 1e3 * r.draft_seconds / max(1, len(r.acceptance)),
                      "verify_ms_per_round": 1e3 * r.verify_seconds / max(1, len(r.acceptance)),
+                     "alternatives_taken_per_round": r.alternatives_taken / max(1, len(r.acceptance)),
                      "drafter": r.drafter, "block_size": r.block_size}
     return out
 
@@ -149,6 +153,7 @@ def _merge(per_dataset: dict[str, dict[str, ModeRun]]) -> dict[str, ModeRun]:
             m.rounds_per_prompt += r.rounds_per_prompt
             m.draft_seconds += r.draft_seconds
             m.verify_seconds += r.verify_seconds
+            m.alternatives_taken += r.alternatives_taken
     return merged
 
 
@@ -185,7 +190,7 @@ def _plot(report: dict, path: Path) -> None:
 def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], datasets: list[str], num_prompts: int,
               max_new_tokens: int, chat: bool, block_size: int | None, json_out: str | None,
               plot_out: str | None = None, verify_threshold: float = 0.0, first_prompt: int = 0,
-              hint_trust: float = HINT_TRUST) -> int:
+              hint_trust: float = HINT_TRUST, alternatives: int = 0) -> int:
     # a log file gets the whole table: rich would wrap its nine columns at 80 when not on a terminal
     console = Console(width=None if sys.stdout.isatty() else 160)
     bad = [m for m in modes if m not in MODES]
@@ -208,15 +213,18 @@ def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], da
         name = Path(ds).stem if ds.endswith(".jsonl") else ds
         per_dataset[name] = run_modes(target, drafters, modes, ids, max_new_tokens, block_size,
                                       warn=lambda s: console.print(f"[yellow]{s}"), target=loaded,
-                                      verify_threshold=verify_threshold, hint_trust=hint_trust, desc=name)
+                                      verify_threshold=verify_threshold, hint_trust=hint_trust, desc=name,
+                                      alternatives=alternatives)
     merged = _merge(per_dataset)
     report = {"target": target, "first_prompt": first_prompt, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "chat": chat,
-              "decoding": "greedy", "verify_threshold": verify_threshold, "hint_trust": hint_trust, "modes": _summary(merged),
+              "decoding": "greedy", "verify_threshold": verify_threshold, "hint_trust": hint_trust,
+              "alternatives": alternatives, "modes": _summary(merged),
               "dflow_vs_dflash": _paired(merged),
               "datasets": {d: {"modes": _summary(r), "dflow_vs_dflash": _paired(r)} for d, r in per_dataset.items()}}
     for d, r in [*report["datasets"].items(), ("all", report)]:
         verify = f" · verify threshold {verify_threshold:g}" if verify_threshold else ""
         verify += f" · hint trust {hint_trust:g}" if hint_trust != HINT_TRUST else ""
+        verify += f" · {alternatives} alternatives" if alternatives else ""
         which = f"prompts {first_prompt + 1}–{first_prompt + num_prompts}" if first_prompt else f"{num_prompts} prompts"
         t = Table(title=f"{target} · {d} · greedy · {which} × {max_new_tokens} tokens{verify}")
         for c in ("mode", "drafter", "block", "verified", "τ ± se", "accept pos 1..4", "tokens/s", "speedup", "matches ar"):

@@ -21,6 +21,15 @@ def _add_verify_threshold(p: argparse.ArgumentParser, default: float | None = 0.
                    help="verify only drafts whose estimated acceptance chance is >= this (0: the whole block)" + extra)
 
 
+def _add_alternatives(p: argparse.ArgumentParser, default: int | None = 0, extra: str = "") -> None:
+    from .decoding.interfaces import MAX_ALTERNATIVES
+
+    p.add_argument("--alternatives", type=int, default=default,
+                   help=f"greedy: also verify up to this many of the drafter's runner-up tokens for the first "
+                        f"draft, beside the chain (0-{MAX_ALTERNATIVES}; under --verify-threshold only those "
+                        f"the drafter gives at least that probability)" + extra)
+
+
 def _add_hint_trust(p: argparse.ArgumentParser, server: bool = False) -> None:
     """`server`: the client sends the value only when given, so older model repositories still serve it."""
     from .decoding.flow import HINT_TRUST
@@ -47,7 +56,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     target, drafter = load_backends(a.target, a.drafter, a.mode, a.backend, a.build_dir, a.block_size)
     prompt_ids = encode_prompt(target.tokenizer, a.prompt, a.chat)
     res = generate(target, drafter, [prompt_ids], a.mode, a.max_new_tokens, sampling,
-                   verify_threshold=a.verify_threshold, hint_trust=a.hint_trust)
+                   verify_threshold=a.verify_threshold, hint_trust=a.hint_trust, alternatives=a.alternatives)
     ids = res.token_ids[0]
     text = target.tokenizer.decode(ids, skip_special_tokens=True)
     if a.json:
@@ -66,7 +75,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_demo(a: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(a.target, a.max_new_tokens, a.num_prompts, a.verify_threshold, a.hint_trust)
+    return run_demo(a.target, a.max_new_tokens, a.num_prompts, a.verify_threshold, a.hint_trust, a.alternatives)
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -78,7 +87,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
             drafters[m] = a.drafter
     return run_bench(a.target, drafters, [m for m in a.modes.split(",") if m], a.dataset.split(","), a.num_prompts,
                      a.max_new_tokens, a.chat, a.block_size, a.json_out, a.plot_out, a.verify_threshold, a.first_prompt,
-                     a.hint_trust)
+                     a.hint_trust, a.alternatives)
 
 
 def cmd_client(a: argparse.Namespace) -> int:
@@ -172,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="onnxruntime runs the exported graphs (exported into --build-dir first if missing)")
     g.add_argument("--build-dir", default=None, help="build folder for --backend onnxruntime (default build/<target>)")
     _add_verify_threshold(g)
+    _add_alternatives(g)
     _add_hint_trust(g)
     _add_sampling(g)
     g.set_defaults(func=cmd_generate)
@@ -181,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=48)
     d.add_argument("--num-prompts", type=int, default=3)
     _add_verify_threshold(d, None, "; default: a table for 0, then one for the CPU's 0.05")
+    _add_alternatives(d, None, "; default: 0 for the whole block, 7 with the CPU's threshold")
     _add_hint_trust(d)
     d.set_defaults(func=cmd_demo)
 
@@ -200,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json-out", default=None, help="write the report here (and a PNG plot beside it)")
     b.add_argument("--plot-out", default=None)
     _add_verify_threshold(b)
+    _add_alternatives(b)
     _add_hint_trust(b)
     b.set_defaults(func=cmd_bench)
 

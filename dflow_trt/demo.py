@@ -22,23 +22,33 @@ DEMO_PROMPTS = [
 # Verify a draft when its estimated acceptance chance beats its marginal cost in `ar` steps:
 # 0.053-0.056 on the 2-core CI CPU (scripts/bench_round.py); on a GPU a draft costs ~nothing (use 0).
 CPU_VERIFY_THRESHOLD = 0.05
+# ... and verify the drafter's runner-ups for draft 1 that clear the same bar, beside the chain
+# (`generate(alternatives=)`): a runner-up with probability p is the target's token about p of the time.
+CPU_ALTERNATIVES = 7
 
 
 def run_demo(target_name: str = "smollm2-135m", max_new_tokens: int = 48, num_prompts: int = 3,
-             verify_threshold: float | None = None, hint_trust: float = HINT_TRUST) -> int:
-    """One table per setting: `verify_threshold`, or by default the whole block and then the CPU's
-    threshold (the demo runs on the CPU), so the algorithm as designed and the setting that pays
-    on this hardware are both shown."""
-    for i, t in enumerate((0.0, CPU_VERIFY_THRESHOLD) if verify_threshold is None else (verify_threshold,)):
-        _demo_table(target_name, max_new_tokens, num_prompts, t, hint_trust, show_sample=i == 0)
+             verify_threshold: float | None = None, hint_trust: float = HINT_TRUST,
+             alternatives: int | None = None) -> int:
+    """One table per setting: `verify_threshold` (and `alternatives`), or by default the whole block
+    and then the CPU's setting (the demo runs on the CPU: its threshold and first-draft
+    alternatives), so the algorithm as designed and the setting that pays on this hardware are
+    both shown."""
+    if verify_threshold is None:
+        settings = [(0.0, alternatives or 0), (CPU_VERIFY_THRESHOLD, CPU_ALTERNATIVES if alternatives is None else alternatives)]
+    else:
+        settings = [(verify_threshold, alternatives or 0)]
+    for i, (t, alts) in enumerate(settings):
+        _demo_table(target_name, max_new_tokens, num_prompts, t, hint_trust, alts, show_sample=i == 0)
     return 0
 
 
 def _demo_table(target_name: str, max_new_tokens: int, num_prompts: int, verify_threshold: float,
-                hint_trust: float, show_sample: bool) -> None:
+                hint_trust: float, alternatives: int, show_sample: bool) -> None:
     console = Console()
     prompts_text = DEMO_PROMPTS[:num_prompts]
     verify = f", verify threshold {verify_threshold:g}" if verify_threshold else ""
+    verify += f", {alternatives} first-draft alternatives" if alternatives else ""
     table = Table(title=f"{target_name}: greedy, {len(prompts_text)} prompts x {max_new_tokens} new tokens{verify}")
     for col in ("mode", "drafter", "block", "tau", "tokens/s", "speedup", "matches ar"):
         table.add_column(col, justify="right")
@@ -46,7 +56,7 @@ def _demo_table(target_name: str, max_new_tokens: int, num_prompts: int, verify_
     prompts = [encode_prompt(target.tokenizer, p, chat=True) for p in prompts_text]
     runs = run_modes(target_name, {}, list(MODES), prompts, max_new_tokens, None, target=target,
                      warn=lambda m: console.print(f"[yellow]{m}"), verify_threshold=verify_threshold,
-                     hint_trust=hint_trust)
+                     hint_trust=hint_trust, alternatives=alternatives)
     ar = runs["ar"]
     if show_sample:
         console.print(f"[dim]ar sample: {target.tokenizer.decode(ar.tokens[0], skip_special_tokens=True)[:200]!r}")

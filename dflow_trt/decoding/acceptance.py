@@ -31,6 +31,19 @@ def greedy_accept(draft_ids: torch.Tensor, target_logits: torch.Tensor,
     return num_accepted, next_token
 
 
+def accept_alternative(alt_ids: torch.Tensor, anchor_target_ids: torch.Tensor, num_accepted: torch.Tensor,
+                       num_alts: torch.Tensor | None = None) -> torch.Tensor:
+    """Greedy, for first-draft alternatives verified beside the chain (each a child of the anchor).
+
+    alt_ids [B, A]; anchor_target_ids [B]: the target's argmax at the anchor; num_accepted [B]: the
+    chain's. A row whose chain rejected draft 1 takes the alternative that is the target's token
+    (at most one: they are distinct tokens). Returns its index [B], -1 where none is taken.
+    num_alts [B]: row b proposes only its first num_alts[b] alternatives."""
+    hit = (alt_ids == anchor_target_ids[:, None]) & _proposed(alt_ids, num_alts) & (num_accepted == 0)[:, None]
+    first = hit.long().argmax(-1)  # [B] (0 where no hit; masked below)
+    return torch.where(hit.any(-1), first, torch.full_like(first, -1))
+
+
 def rejection_sample(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
                      generator: torch.Generator | None = None,
                      num_drafts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

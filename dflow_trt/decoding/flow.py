@@ -9,6 +9,8 @@ L+a+1+j lines up with next-block position j, for j < S-1-a. A full acceptance ca
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .interfaces import FlowState, Proposal
@@ -82,4 +84,4 @@ def take_hints(prop: Proposal, flow: FlowState, trust: float = HINT_TRUST) -> Pr
         if probs is not None:
             onehot = torch.nn.functional.one_hot(guess[:, j], probs.shape[-1]).to(probs.dtype)  # [B, V]
             probs[:, k - 1] = torch.where(take[:, None], onehot, probs[:, k - 1])
-    return Proposal(draft_ids=ids, draft_probs=probs, confidence=conf)
+    return dataclasses.replace(prop, draft_ids=ids, draft_probs=probs, confidence=conf)

@@ -51,6 +51,20 @@ class Target(Protocol):
         """Keep the first num_kept[b] (>= 1) slots of the last verified block; drop the rest."""
 
 
+class TreeTarget(Target, Protocol):
+    """A target that also verifies a token tree (`supports_tree` True): the loop's first-draft
+    alternatives (`generate(..., alternatives=N)`) sit beside the chain, each a child of the anchor."""
+
+    supports_tree: bool
+
+    def verify(self, cache: Any, block_ids: torch.Tensor, parents: torch.Tensor | None = None) -> TargetOutput:
+        """As `Target.verify`; `parents` [S] (parents[0] = -1, parents[i] < i) makes slot i attend
+        to its ancestors only, at position next_pos + its depth. None: a chain."""
+
+    def commit(self, cache: Any, num_kept: torch.Tensor, path: torch.Tensor | None = None) -> None:
+        """As `Target.commit`, keeping slots path[b, :num_kept[b]] of the block ([B, S]), in order."""
+
+
 @dataclass
 class FlowState:
     """Verifier state at the previous round's rejected positions, aligned with the next block.
@@ -67,12 +81,18 @@ class FlowState:
     valid: torch.Tensor  # [B, S] bool
 
 
+# How many runner-up tokens for draft 1 a drafter reports (`Proposal.alt_ids`) at most.
+MAX_ALTERNATIVES = 7
+
+
 @dataclass
 class Proposal:
     draft_ids: torch.Tensor  # [B, K] target vocabulary ids, K = S-1 (fewer only under a verify threshold)
     draft_probs: torch.Tensor | None  # [B, K, V] the distribution drafts were sampled from (None: greedy)
     confidence: torch.Tensor | None = None  # [B, K] drafter's top probability per position, never a
     # function of the sampled draft itself (see sampling.propose); None: unknown
+    alt_ids: torch.Tensor | None = None  # [B, A] greedy: the drafter's runner-up tokens for draft 1, best first
+    alt_conf: torch.Tensor | None = None  # [B, A] their drafter probabilities
 
 
 class Drafter(Protocol):

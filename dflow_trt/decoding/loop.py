@@ -9,9 +9,9 @@ from typing import Callable
 import torch
 
 from ..errors import UserError
-from .acceptance import greedy_accept, rejection_sample
+from .acceptance import accept_alternative, greedy_accept, rejection_sample
 from .flow import HINT_TRUST, carry_flow, right_align, take_hints
-from .interfaces import Drafter, FlowState, Target
+from .interfaces import MAX_ALTERNATIVES, Drafter, FlowState, Target
 from .sampling import SamplingParams, pick, processed_probs
 
 MODES = ("ar", "dflash", "dflow")
@@ -36,6 +36,7 @@ class GenerationResult:
     rounds: int = 0
     verified_drafts: int = 0  # drafts sent to the target, all rows' rounds (the verify cost beside τ)
     hints_taken: int = 0  # dflow: verified drafts a verifier hint had replaced (`take_hints`), all rows' rounds
+    alternatives_taken: int = 0  # rounds (all rows') that accepted a first-draft alternative instead of draft 1
     finish_reasons: list[str] = field(default_factory=list)  # "stop" | "length"
 
     @property
@@ -63,7 +64,8 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
              max_new_tokens: int = 64, sampling: SamplingParams = SamplingParams(),
              stop_token_ids: tuple[int, ...] | None = None,
              on_round: Callable[[RoundEvent], bool | None] | None = None,
-             verify_threshold: float = 0.0, hint_trust: float = HINT_TRUST) -> GenerationResult:
+             verify_threshold: float = 0.0, hint_trust: float = HINT_TRUST,
+             alternatives: int = 0) -> GenerationResult:
     """Decode `prompts` (lists of token ids) with the target, speculatively unless mode == "ar".
 
     Invariant at the top of every round, per row b with n_b generated tokens:
@@ -82,6 +84,11 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
     `hint_trust` (dflow): where the flow shows the verifier already read a draft's token, its guess
     for the next position replaces a draft the drafter is less sure of than this (`take_hints`);
     0 turns it off, leaving the learned flow conditioning alone.
+    `alternatives` > 0 (greedy, a target with `supports_tree`): the target also verifies up to this
+    many of the drafter's runner-up tokens for draft 1, each a child of the anchor beside the chain
+    (a token tree, one target pass); under a verify threshold only those whose drafter probability
+    reaches it. A row whose draft 1 is rejected commits the alternative that is the target's token,
+    if any, and the target's token after it. Drafters that report no runner-ups verify the chain.
     """
     if mode not in MODES:
         raise UserError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
@@ -95,6 +102,14 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
         raise UserError(f"verify threshold must be in [0, 1), got {verify_threshold}")
     if not 0.0 <= hint_trust <= 1.0:
         raise UserError(f"hint trust must be in [0, 1], got {hint_trust}")
+    if not 0 <= alternatives <= MAX_ALTERNATIVES:
+        raise UserError(f"alternatives must be in [0, {MAX_ALTERNATIVES}], got {alternatives}")
+    if alternatives and not sampling.greedy:
+        raise UserError("first-draft alternatives are verified for greedy decoding only (temperature 0); "
+                        "drop --alternatives or sample without them")
+    if alternatives and mode != "ar" and not getattr(target, "supports_tree", False):
+        raise UserError("this target back end verifies chains only, not the token tree that --alternatives needs; "
+                        "drop --alternatives or use the PyTorch target")
     if mode == "dflow" and not drafter.uses_flow:
         raise UserError("this drafter was built without flow conditioning; use --mode dflash or a DFlow drafter")
     speculative = mode != "ar"
@@ -121,11 +136,12 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
     new_ctx, new_ctx_lens = right_align(out.taps, lens), lens.clone()
     flow: FlowState | None = None
     draft_s = verify_s = 0.0
-    rounds = verified = hints = 0
+    rounds = verified = hints = alts_taken = 0
     while not all(done):
         rounds += 1
         t0 = time.perf_counter()
         n_drafts = None  # per row: how many drafts it proposes (None: all)
+        n_alts = alts = None  # per row: how many first-draft alternatives it proposes; [B, A] their ids
         replaced = None  # [B, K] dflow: drafts a verifier hint replaced
         if speculative:
             prop = drafter.draft(dstate, new_ctx, new_ctx_lens, anchor, anchor_pos,
@@ -138,34 +154,56 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
             k = None if n_drafts is None else int(n_drafts.max())  # the batch verifies its longest row's drafts
             drafts, draft_probs = prop.draft_ids[:, :k], None if prop.draft_probs is None else prop.draft_probs[:, :k]
             block = torch.cat([anchor[:, None], drafts.to(anchor.device)], 1)  # [B, k+1]
+            if alternatives and prop.alt_ids is not None:
+                n_alts = alternative_counts(prop.alt_conf, alternatives, verify_threshold).to(anchor.device)  # [B]
+                a = int(n_alts.max())
+                alts = prop.alt_ids[:, :a].to(anchor.device) if a else None
         else:
             block = anchor[:, None]  # [B, 1]
         t1 = time.perf_counter()
-        out = target.verify(cache, block)
+        K1 = block.shape[1]
+        if alts is None:
+            out = target.verify(cache, block)
+        else:  # the alternatives after the chain, each a child of the anchor at slot 0
+            parents = torch.cat([torch.arange(-1, K1 - 1), torch.zeros(alts.shape[1], dtype=torch.long)])
+            out = target.verify(cache, torch.cat([block, alts], 1), parents)  # [B, K1+A]
+        path = None  # [B, K1+A] block slots in the order the kept branch needs them (None: as verified)
         if not speculative:
             num_acc, nxt = torch.zeros(B, dtype=torch.long, device=dev), pick(out.logits[:, 0], sampling, gen)
         elif sampling.greedy:
-            num_acc, nxt = greedy_accept(block[:, 1:], out.logits, n_drafts)
+            num_acc, nxt = greedy_accept(block[:, 1:], out.logits[:, :K1], n_drafts)
+            if alts is not None:
+                took = accept_alternative(alts, out.logits[:, 0].argmax(-1), num_acc, n_alts)  # [B], -1: none
+                if bool((took >= 0).any()):
+                    path, block, num_acc, nxt = _take_alternative(block, alts, took, out.logits, num_acc, nxt)
+                    alts_taken += sum(t >= 0 and not done[b] for b, t in enumerate(took.tolist()))
         else:
             num_acc, nxt = rejection_sample(block[:, 1:], draft_probs, processed_probs(out.logits, sampling), gen,
                                             n_drafts)
-        target.commit(cache, num_acc + 1)
+        if path is None:
+            target.commit(cache, num_acc + 1)
+        else:
+            target.commit(cache, num_acc + 1, path)
         if speculative:
-            new_ctx, new_ctx_lens = out.taps, num_acc + 1  # committed slots are the block's first a+1
-            if mode == "dflow":
-                flow = carry_flow(block, out.taps, out.logits.argmax(-1), num_acc, drafter.block_size)
+            taps = out.taps if path is None else out.taps.gather(1, path[..., None].expand(*path.shape, out.taps.shape[-1]))
+            new_ctx, new_ctx_lens = taps[:, :K1], num_acc + 1  # committed slots are the kept branch's first a+1
+            if mode == "dflow":  # a row that took an alternative carries nothing: the chain read draft 1 there
+                chain_acc = num_acc if path is None else torch.where(path[:, 1] >= K1, K1 - 1, num_acc)
+                flow = carry_flow(block, out.taps[:, :K1], out.logits[:, :K1].argmax(-1), chain_acc,
+                                  drafter.block_size)
         verify_s += time.perf_counter() - t1
         draft_s += t1 - t0
 
         acc, nxt_l, blk = num_acc.tolist(), nxt.tolist(), block.tolist()  # one host sync per round
-        proposed = [len(blk[0]) - 1] * B if n_drafts is None else n_drafts.tolist()
+        proposed = [K1 - 1] * B if n_drafts is None else n_drafts.tolist()
+        proposed_alts = [0] * B if alts is None else n_alts.tolist()
         replaced_upto = None if replaced is None else replaced.long().cumsum(1).tolist()  # [B][K]: among drafts 1..k
         committed: list[list[int]] = [[] for _ in range(B)]
         for b in range(B):
             if done[b]:
                 continue
             accept_lens[b].append(acc[b] + 1)
-            verified += proposed[b]
+            verified += proposed[b] + proposed_alts[b]
             if replaced_upto is not None:  # counted like `verified`: the drafts this row sent
                 hints += replaced_upto[b][proposed[b] - 1]
             for t in blk[b][1:acc[b] + 1] + [nxt_l[b]]:
@@ -180,7 +218,7 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
     return GenerationResult(token_ids=tokens, acceptance_lengths=accept_lens, prefill_s=prefill_s,
                             draft_s=draft_s, verify_s=verify_s, total_s=time.perf_counter() - t_start,
                             rounds=rounds, verified_drafts=verified, hints_taken=hints,
-                            finish_reasons=reasons)
+                            alternatives_taken=alts_taken, finish_reasons=reasons)
 
 
 
@@ -188,3 +226,28 @@ def verify_lengths(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
     """How many drafts each row proposes [B]: the longest prefix whose estimated chance of being
     accepted whole (the product of the drafter's confidences [B, S-1]) is >= threshold; at least one."""
     return (confidence.float().cumprod(-1) >= threshold).sum(-1).clamp(min=1)
+
+
+def alternative_counts(alt_conf: torch.Tensor, alternatives: int, threshold: float) -> torch.Tensor:
+    """How many first-draft alternatives each row proposes [B]: its first `alternatives` (best
+    first), and under a threshold only those the drafter gives at least that probability."""
+    alt_conf = alt_conf[:, :alternatives]
+    if threshold <= 0:
+        return torch.full(alt_conf.shape[:1], alt_conf.shape[1], dtype=torch.long, device=alt_conf.device)
+    return (alt_conf >= threshold).sum(-1)
+
+
+def _take_alternative(block: torch.Tensor, alts: torch.Tensor, took: torch.Tensor, logits: torch.Tensor,
+                      num_acc: torch.Tensor, nxt: torch.Tensor):
+    """Rows with took[b] >= 0 keep [anchor, that alternative] and the target's token after it.
+    block [B, K1] (K1 >= 2), alts [B, A], logits [B, K1+A, V].
+    Returns (path [B, K1+A], the block as committed [B, K1], num_acc [B], nxt [B])."""
+    B, K1 = block.shape
+    rows = took >= 0
+    slot = K1 + took.clamp(min=0)  # [B] the alternative's slot in the verified block
+    path = torch.arange(K1 + alts.shape[1], device=block.device).repeat(B, 1)  # [B, K1+A]
+    path[:, 1] = torch.where(rows, slot, path[:, 1])  # only a row's first num_acc+1 path slots are kept
+    block = block.clone()
+    block[:, 1] = torch.where(rows, alts.gather(1, took.clamp(min=0)[:, None])[:, 0], block[:, 1])
+    after = logits.gather(1, slot[:, None, None].expand(B, 1, logits.shape[-1]))[:, 0].argmax(-1)  # [B]
+    return path, block, torch.where(rows, torch.ones_like(num_acc), num_acc), torch.where(rows, after, nxt)

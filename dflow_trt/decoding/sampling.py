@@ -71,17 +71,25 @@ def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
 
 
 def propose(logits: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: int, params: SamplingParams,
-            generator: torch.Generator | None) -> Proposal:
+            generator: torch.Generator | None, alternatives: int = 0) -> Proposal:
     """Drafter logits over its draft vocabulary [B, S-1, Vd] -> a Proposal in target ids.
 
     `confidence` is the drafter's top probability at each position (the verify-length policy
     reads it). It must not depend on which token was sampled: choosing how many drafts to verify
     from the sampled tokens' own probabilities would skew the proposal distribution that rejection
     sampling corrects for. Sampled drafts also carry their full distribution.
+    Greedy with `alternatives` > 0: the runner-up tokens of the first position, best first, and
+    their probabilities (`alt_ids`, `alt_conf`).
     """
     if params.greedy:
-        conf, ids_d = logits.float().softmax(-1).max(-1)  # [B, S-1]
-        return Proposal(draft_ids=draft_vocab[ids_d], draft_probs=None, confidence=conf)
+        probs = logits.float().softmax(-1)  # [B, S-1, Vd]
+        conf, ids_d = probs.max(-1)  # [B, S-1]
+        alt_ids = alt_conf = None
+        if alternatives > 0:
+            top = probs[:, 0].topk(min(alternatives + 1, probs.shape[-1]), -1)  # [B, A+1], [0] is draft 1
+            alt_ids, alt_conf = draft_vocab[top.indices[:, 1:]], top.values[:, 1:]
+        return Proposal(draft_ids=draft_vocab[ids_d], draft_probs=None, confidence=conf, alt_ids=alt_ids,
+                        alt_conf=alt_conf)
     probs_d = processed_probs(logits, params)  # [B, S-1, Vd]
     ids_d = sample(probs_d, generator)
     probs = probs_d.new_zeros(*probs_d.shape[:-1], vocab_size)

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import UserError
 from ..decoding.flow import flow_prefix
-from ..decoding.interfaces import FlowState, Proposal
+from ..decoding.interfaces import MAX_ALTERNATIVES, FlowState, Proposal
 from ..decoding.loop import verify_lengths
 from ..decoding.sampling import SamplingParams, propose
 from .model import DFlowDrafter
@@ -85,14 +85,16 @@ class TorchDrafter:
         parts: list[Proposal] = []
         for lo, hi in draft_spans(S, verify_threshold):
             logits = m.draft_logits(m.last_layer(x, pos, kv, mask, slice(lo, hi)))  # [B, hi-lo, Vd]
-            parts.append(propose(logits, m.draft_vocab, self.config.target.vocab_size, sampler, state.generator))
+            parts.append(propose(logits, m.draft_vocab, self.config.target.vocab_size, sampler, state.generator,
+                                 MAX_ALTERNATIVES if lo == 1 else 0))
             conf = torch.cat([p.confidence for p in parts], 1)  # [B, hi-1]
             if verify_threshold > 0 and (verify_lengths(conf, verify_threshold) < conf.shape[1]).all():
                 break  # the loop's own rule: no row verifies past here, so later drafts are never read
         if len(parts) == 1:
             return parts[0]
         probs = None if parts[0].draft_probs is None else torch.cat([p.draft_probs for p in parts], 1)
-        return Proposal(draft_ids=torch.cat([p.draft_ids for p in parts], 1), draft_probs=probs, confidence=conf)
+        return Proposal(draft_ids=torch.cat([p.draft_ids for p in parts], 1), draft_probs=probs, confidence=conf,
+                        alt_ids=parts[0].alt_ids, alt_conf=parts[0].alt_conf)
 
 
 def draft_spans(block_size: int, verify_threshold: float) -> list[tuple[int, int]]:

@@ -17,7 +17,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from ..decoding.interfaces import TargetInfo, TargetOutput
 from ..errors import UserError
-from .kv_cache import new_kv_cache
+from .kv_cache import new_kv_cache, reorder_last_slots
 
 
 def default_tap_layers(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
@@ -28,6 +28,17 @@ def default_tap_layers(num_target_layers: int, num_taps: int) -> tuple[int, ...]
         return (num_target_layers // 2,)
     span = num_target_layers - 4
     return tuple(int(round(1 + i * span / (num_taps - 1))) for i in range(num_taps))
+
+
+def tree_ancestors(parents: list[int], device=None) -> torch.Tensor:
+    """parents [S] (parents[0] = -1, parents[i] < i) -> [S, S] bool: slot j is slot i or its ancestor."""
+    S = len(parents)
+    if not parents or parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(parents) if i):
+        raise ValueError(f"parents must start at -1 (the anchor) and point to earlier slots, got {parents}")
+    anc = torch.eye(S, dtype=torch.bool)
+    for i in range(1, S):
+        anc[i] |= anc[parents[i]]
+    return anc.to(device)
 
 
 def target_fingerprint(model: PreTrainedModel) -> str:
@@ -70,6 +81,9 @@ class HFTarget:
             raise UserError(f"tap layers {bad} out of range for a {n}-layer target; use layers 0..{n - 2}")
         self.model = model.eval()
         self.tokenizer = tokenizer
+        # trees reorder cached slots in place: every layer must keep all of them (no sliding window)
+        self.supports_tree = all(t == "full_attention" for t in (getattr(model.config, "layer_types", None) or [
+            "full_attention"]))
         self.info = TargetInfo(
             name=name, fingerprint=target_fingerprint(model), vocab_size=model.config.vocab_size,
             hidden_size=model.config.hidden_size, num_layers=n, tap_layers=tuple(tap_layers),
@@ -105,7 +119,8 @@ class HFTarget:
     @torch.inference_mode()
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
                  kv: DynamicCache) -> TargetOutput:
-        out = self.model(input_ids=ids, attention_mask=mask.long(), position_ids=pos,
+        # a 2D mask marks valid slots (transformers adds causality); a 4D bool one is used as is
+        out = self.model(input_ids=ids, attention_mask=mask if mask.dim() == 4 else mask.long(), position_ids=pos,
                          past_key_values=kv, use_cache=True,
                          output_hidden_states=bool(self.info.tap_layers))
         if self.info.tap_layers:
@@ -125,19 +140,30 @@ class HFTarget:
         cache = HFCache(kv=new_kv_cache(self.model.config), valid=valid, next_pos=prompt_lens.clone())
         return cache, self._forward(input_ids, valid, pos, cache.kv)
 
-    def verify(self, cache: HFCache, block_ids: torch.Tensor) -> TargetOutput:
+    def verify(self, cache: HFCache, block_ids: torch.Tensor, parents: torch.Tensor | None = None) -> TargetOutput:
+        """Chain, or a tree when `parents` [S] is given (see `TreeTarget.verify`)."""
         assert cache.pending == 0, "commit() the previous block before verifying the next"
         B, S = block_ids.shape
-        pos = cache.next_pos[:, None] + torch.arange(S, device=self.device)  # [B, S]
-        cache.valid = torch.cat([cache.valid, cache.valid.new_ones(B, S)], dim=1)  # [B, P+S]
-        out = self._forward(block_ids.to(self.device), cache.valid, pos, cache.kv)
+        past = cache.valid  # [B, P]
+        cache.valid = torch.cat([past, past.new_ones(B, S)], dim=1)  # [B, P+S]
+        if parents is None:
+            pos = cache.next_pos[:, None] + torch.arange(S, device=self.device)  # [B, S]
+            mask = cache.valid
+        else:
+            anc = tree_ancestors(parents.tolist(), self.device)  # [S, S]
+            pos = cache.next_pos[:, None] + anc.sum(-1)[None, :] - 1  # [B, S]: next_pos + depth
+            mask = torch.cat([past[:, None, None, :].expand(B, 1, S, past.shape[1]),
+                              anc[None, None].expand(B, 1, S, S)], -1)  # [B, 1, S, P+S]
+        out = self._forward(block_ids.to(self.device), mask, pos, cache.kv)
         cache.pending = S
         return out
 
-    def commit(self, cache: HFCache, num_kept: torch.Tensor) -> None:
+    def commit(self, cache: HFCache, num_kept: torch.Tensor, path: torch.Tensor | None = None) -> None:
         S = cache.pending
         num_kept = num_kept.to(self.device)
         assert S > 0 and ((num_kept >= 1) & (num_kept <= S)).all()
+        if path is not None:  # the kept branch's slots move to the front of the block, in order
+            reorder_last_slots(cache.kv, path.to(self.device))
         keep = torch.arange(S, device=self.device)[None, :] < num_kept[:, None]  # [B, S]
         cache.valid[:, -S:] = keep
         cache.next_pos = cache.next_pos + num_kept

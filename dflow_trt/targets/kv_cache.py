@@ -79,3 +79,14 @@ def new_kv_cache(config) -> DynamicCache:
     cache = DynamicCache(config=config)
     cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def reorder_last_slots(cache: DynamicCache, path: torch.Tensor) -> None:
+    """Rewrite each row's last S cached slots in the order path [B, S] gives (block-relative slot
+    indices), in place: the branch a tree verify kept comes first, so the usual crop drops the rest."""
+    B, S = path.shape
+    with torch.inference_mode():  # the cached states are inference tensors (the target's forward made them)
+        for layer in cache.layers:
+            for t in (layer.keys, layer.values):  # [B, Hkv, T, D]
+                last = t[:, :, t.shape[2] - S:]
+                last.copy_(last.gather(2, path[:, None, :, None].expand(B, t.shape[1], S, t.shape[3])))

@@ -1,0 +1,157 @@
+"""First-draft alternatives: the target verifies the drafter's runner-ups for draft 1 as a token tree
+beside the chain. Lossless against plain greedy decoding; the tree pass itself matches chain passes."""
+
+import pytest
+import torch
+
+from conftest import PROMPTS_TEXT, OracleDrafter, chat_ids
+from dflow_trt.decoding.acceptance import accept_alternative
+from dflow_trt.decoding.interfaces import Proposal
+from dflow_trt.decoding.loop import alternative_counts, generate
+from dflow_trt.decoding.sampling import SamplingParams
+from dflow_trt.drafter.defaults import untrained_config
+from dflow_trt.drafter.io import build_drafter
+from dflow_trt.drafter.runtime import TorchDrafter
+from dflow_trt.errors import UserError
+from dflow_trt.targets.hf_target import tree_ancestors
+
+
+def _prompts(target, n):
+    return [chat_ids(target, t) for t in PROMPTS_TEXT[:n]]
+
+
+class RunnerUpOracle(OracleDrafter):
+    """The target's own continuation, with draft 1 made wrong in seeded rounds and the right token
+    hidden among the runner-ups at a seeded rank (or left out), so every acceptance path is taken:
+    the chain, an alternative, none."""
+
+    def __init__(self, sequences, block_size, vocab, seed=0):
+        super().__init__(sequences, block_size)
+        self.g, self.vocab = torch.Generator().manual_seed(seed), vocab
+
+    def draft(self, *args):
+        ids = super().draft(*args).draft_ids  # [B, K]
+        B, K = ids.shape
+        right = ids[:, 0].clone()
+        wrong = torch.rand(B, generator=self.g) < 0.6
+        ids[:, 0] = torch.where(wrong, (right + 1) % self.vocab, right)
+        alts = (right[:, None] + 2 + torch.arange(4)[None, :]) % self.vocab  # [B, 4] all wrong
+        rank = torch.randint(0, 5, (B,), generator=self.g)  # 4: the right token is not offered
+        hide = wrong & (rank < 4)
+        alts[hide, rank[hide]] = right[hide]
+        conf = torch.full((B, K), 0.9)
+        alt_conf = torch.tensor([0.6, 0.4, 0.1, 0.02]).repeat(B, 1)
+        return Proposal(draft_ids=ids, draft_probs=None, confidence=conf, alt_ids=alts, alt_conf=alt_conf)
+
+
+@pytest.mark.parametrize("S,threshold", [(4, 0.0), (8, 0.5), (16, 0.05)])
+def test_alternatives_are_lossless_batched_and_single(tiny_qwen3, S, threshold):
+    prompts, max_new = _prompts(tiny_qwen3, 5), 32
+    # rows done early keep drafting while the batch finishes: the reference runs well past max_new
+    ar_long = [generate(tiny_qwen3, None, [p], "ar", 4 * max_new, stop_token_ids=()).token_ids[0] for p in prompts]
+    ar = [a[:max_new] for a in ar_long]
+    seqs = [p + a for p, a in zip(prompts, ar_long)]
+    for mode in ("dflash", "dflow"):
+        d = RunnerUpOracle(seqs, S, tiny_qwen3.info.vocab_size)
+        res = generate(tiny_qwen3, d, prompts, mode, max_new, stop_token_ids=(), verify_threshold=threshold,
+                       alternatives=4)
+        assert res.token_ids == ar, (mode, S, threshold)
+        assert res.alternatives_taken > 0
+        single = [generate(tiny_qwen3, RunnerUpOracle([s], S, tiny_qwen3.info.vocab_size, seed=i), [p], mode,
+                           max_new, stop_token_ids=(), verify_threshold=threshold, alternatives=4).token_ids[0]
+                  for i, (s, p) in enumerate(zip(seqs, prompts))]
+        assert single == ar
+        # the same drafts without alternatives: same tokens, fewer per round
+        chain = generate(tiny_qwen3, RunnerUpOracle(seqs, S, tiny_qwen3.info.vocab_size), prompts, mode, max_new,
+                         stop_token_ids=(), verify_threshold=threshold)
+        assert chain.token_ids == ar and chain.alternatives_taken == 0
+        assert chain.tau < res.tau
+
+
+def test_untrained_drafter_with_alternatives_is_lossless(tiny_qwen3):
+    prompts, max_new = _prompts(tiny_qwen3, 4), 24
+    ar = generate(tiny_qwen3, None, prompts, "ar", max_new, stop_token_ids=()).token_ids
+    for flow, mode in ((False, "dflash"), (True, "dflow")):
+        d = TorchDrafter(build_drafter(tiny_qwen3, untrained_config(tiny_qwen3, flow=flow, block_size=8)))
+        for threshold in (0.0, 0.01):
+            res = generate(tiny_qwen3, d, prompts, mode, max_new, stop_token_ids=(), verify_threshold=threshold,
+                           alternatives=7)
+            assert res.token_ids == ar, (mode, threshold)
+
+
+@pytest.mark.slow
+def test_shipped_drafters_with_alternatives_are_lossless(smollm2):
+    from dflow_trt.drafter.defaults import load_target_and_drafter
+
+    prompts, max_new = _prompts(smollm2, 4), 32
+    ar = generate(smollm2, None, prompts, "ar", max_new, stop_token_ids=()).token_ids
+    for mode in ("dflash", "dflow"):
+        target, model = load_target_and_drafter("smollm2-135m", None, mode, target=smollm2)
+        for S in (4, 16):
+            res = generate(target, TorchDrafter(model, S), prompts, mode, max_new, stop_token_ids=(),
+                           verify_threshold=0.05, alternatives=7)
+            assert res.token_ids == ar, (mode, S)
+            assert res.alternatives_taken > 0  # the shipped drafters' runner-ups do get accepted
+
+
+def test_tree_verify_matches_chain_verifies(tiny_qwen3):
+    """One tree pass [anchor, d1, d2, a1, a2] gives the chain rows' logits of a chain pass, and each
+    alternative's logits of a pass over [anchor, alternative]; committing an alternative's branch
+    leaves the cache a chain pass over that branch would."""
+    t = tiny_qwen3
+    prompts = _prompts(t, 2)
+    ids = torch.zeros(2, max(map(len, prompts)), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, ids.shape[1] - len(p):] = torch.tensor(p)
+    lens = torch.tensor([len(p) for p in prompts])
+    block = torch.tensor([[5, 6, 7, 8, 9], [15, 16, 17, 18, 19]])
+    parents = torch.tensor([-1, 0, 1, 0, 0])
+
+    cache, _ = t.prefill(ids, lens)
+    tree = t.verify(cache, block, parents)
+    for cols, keep in (([0, 1, 2], 3), ([0, 3], 2), ([0, 4], 2)):
+        ref_cache, _ = t.prefill(ids, lens)
+        ref = t.verify(ref_cache, block[:, cols])
+        torch.testing.assert_close(tree.logits[:, cols], ref.logits, rtol=1e-5, atol=1e-5)
+        assert torch.equal(tree.logits[:, cols].argmax(-1), ref.logits.argmax(-1))
+    # keep [anchor, a1] in row 0 and [anchor, d1, d2] in row 1, then decode one more token
+    path = torch.tensor([[0, 3, 2, 3, 4], [0, 1, 2, 3, 4]])
+    t.commit(cache, torch.tensor([2, 3]), path)
+    nxt = t.verify(cache, torch.tensor([[1], [1]]))
+    for b, kept in ((0, [5, 8]), (1, [15, 16, 17])):
+        ref_cache, _ = t.prefill(ids[b:b + 1], lens[b:b + 1])
+        t.verify(ref_cache, torch.tensor([kept]))
+        t.commit(ref_cache, torch.tensor([len(kept)]))
+        ref = t.verify(ref_cache, torch.tensor([[1]]))
+        torch.testing.assert_close(nxt.logits[b], ref.logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_accept_alternative_and_counts():
+    alts = torch.tensor([[4, 5, 6], [4, 5, 6], [4, 5, 6], [7, 8, 9]])
+    target_at_anchor = torch.tensor([5, 6, 5, 3])
+    chain_acc = torch.tensor([0, 0, 1, 0])
+    took = accept_alternative(alts, target_at_anchor, chain_acc, torch.tensor([3, 2, 3, 3]))
+    # row 1's hit sits past its 2 proposed; row 2's chain already accepted draft 1; row 3 has no hit
+    assert took.tolist() == [1, -1, -1, -1]
+    conf = torch.tensor([[0.3, 0.06, 0.01], [0.04, 0.03, 0.02]])
+    assert alternative_counts(conf, 3, 0.05).tolist() == [2, 0]
+    assert alternative_counts(conf, 2, 0.0).tolist() == [2, 2]
+    assert tree_ancestors([-1, 0, 1, 0]).tolist() == [
+        [True, False, False, False], [True, True, False, False], [True, True, True, False], [True, False, False, True]]
+    with pytest.raises(ValueError, match="parents"):
+        tree_ancestors([-1, 2, 0])
+
+
+def test_alternatives_bad_input(tiny_qwen3):
+    p = _prompts(tiny_qwen3, 1)
+    d = TorchDrafter(build_drafter(tiny_qwen3, untrained_config(tiny_qwen3, flow=False, block_size=4)))
+    with pytest.raises(UserError, match="greedy"):
+        generate(tiny_qwen3, d, p, "dflash", 4, SamplingParams(temperature=1.0), alternatives=2)
+    with pytest.raises(UserError, match="alternatives must be in"):
+        generate(tiny_qwen3, d, p, "dflash", 4, alternatives=99)
+
+    class ChainOnly:  # a back end without tree verification (as ONNX Runtime's)
+        info, tokenizer, supports_tree = tiny_qwen3.info, None, False
+
+    with pytest.raises(UserError, match="chains only"):
+        generate(ChainOnly(), d, p, "dflash", 4, alternatives=2)
