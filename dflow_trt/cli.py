@@ -106,7 +106,7 @@ def cmd_client(a: argparse.Namespace) -> int:
     res = send(url, a.model, on_tokens=show, prompt=a.prompt, max_tokens=a.max_new_tokens, mode=a.mode,
                temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
                stop_words=a.stop or None, block_size=a.block_size, chat=a.chat, verify_threshold=a.verify_threshold,
-               hint_trust=a.hint_trust)
+               hint_trust=a.hint_trust, alternatives=a.alternatives)
     if a.json:
         print(json.dumps(res.as_dict()))
     else:
@@ -229,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--stream", action="store_true", help="print text as rounds commit it")
     c.add_argument("--json", action="store_true", help="print one JSON object at the end")
     _add_verify_threshold(c)
+    _add_alternatives(c, extra="; the in-process dflow model only: dflow_bls verifies chains")
     _add_hint_trust(c, server=True)
     _add_sampling(c)
     c.set_defaults(func=cmd_client)

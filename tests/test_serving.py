@@ -101,6 +101,25 @@ def test_hint_trust_over_triton_reaches_the_loop(tiny_server, model):
         assert got.stats["acceptance_lengths"] == res.acceptance_lengths[0], (model, trust)
 
 
+def test_alternatives_over_triton_reach_the_loop(tiny_server):
+    """The request's alternatives reach the in-process model's loop: tokens, rounds and verified
+    drafts (runner-ups included) equal a local decode's; the BLS layout, whose remote target
+    verifies chains only, refuses them with a clear error and keeps serving."""
+    target, drafter = load_backends("tiny-qwen3", None, "dflash", "torch", None, 4, log=lambda m: None)
+    ids = encode_prompt(target.tokenizer, PROMPTS[1], False)
+    local = generate(target, drafter, [ids], "dflash", 24, alternatives=5)
+    assert local.verified_drafts == 3 * local.rounds + 5 * local.rounds  # every round sends 3 drafts + 5 runner-ups
+    got = generate_grpc(tiny_server.grpc_url, "dflow", prompt=PROMPTS[1], mode="dflash", max_tokens=24, block_size=4,
+                        alternatives=5)
+    assert got.token_ids == local.token_ids[0]
+    assert got.stats["acceptance_lengths"] == local.acceptance_lengths[0]
+    assert got.stats["verified_drafts"] == local.verified_drafts
+    assert got.stats["alternatives_taken"] == local.alternatives_taken
+    with pytest.raises(UserError, match="chains only"):
+        generate_grpc(tiny_server.grpc_url, "dflow_bls", prompt=PROMPTS[1], mode="dflash", max_tokens=8, alternatives=2)
+    assert len(generate_grpc(tiny_server.grpc_url, "dflow_bls", prompt="hi", mode="dflash", max_tokens=4).token_ids) == 4
+
+
 def test_streaming_delivers_rounds(tiny_server):
     res = generate_grpc(tiny_server.grpc_url, prompt=PROMPTS[0], mode="dflow", max_tokens=20, block_size=4)
     acc = res.stats["acceptance_lengths"]
@@ -255,6 +274,8 @@ def test_bls_target_sessions_are_released(tiny_server, tiny_reference):
     ({"temperature": -1.0}, "temperature"),
     ({"verify_threshold": 1.5}, "verify_threshold"),
     ({"hint_trust": -0.1}, "hint_trust"),
+    ({"alternatives": 8}, "alternatives"),
+    ({"alternatives": 2, "temperature": 1.0}, "greedy"),
 ])
 def test_bad_requests_get_an_error_and_the_server_keeps_serving(tiny_server, change, needle):
     req = {"prompt": "hi", "mode": "dflow", "max_tokens": 4, **change}

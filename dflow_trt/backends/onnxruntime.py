@@ -58,6 +58,8 @@ class OrtCache:
 class OrtTarget:
     """Target interface over `target.onnx` (exported by `export.onnx_target`)."""
 
+    supports_tree = False  # the graph takes a slot-validity mask, not a tree's: chains only
+
     def __init__(self, onnx_dir: str | Path, tokenizer=None, threads: int | None = None):
         d = Path(onnx_dir)
         self.meta = m = _read_meta(d / onnx_target.META, "dflow_trt-target-onnx")

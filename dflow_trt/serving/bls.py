@@ -57,6 +57,8 @@ class RemoteCache:
 class RemoteTarget:
     """Target interface over the `target` model: KV sessions when it offers them, else full recompute."""
 
+    supports_tree = False  # the `target` model's inputs describe a chain
+
     def __init__(self, remote: Remote, model: str = "target"):
         self.remote, self.model = remote, model
         out = remote(model, {"info_only": np.array([True])}, ["info"])

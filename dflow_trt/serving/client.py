@@ -37,7 +37,7 @@ def request_arrays(prompt: str | None = None, input_ids: list[int] | None = None
                    mode: str = "dflow", temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                    seed: int | None = None, stop_words: list[str] | None = None, block_size: int | None = None,
                    chat: bool = False, verify_threshold: float = 0.0,
-                   hint_trust: float | None = None) -> dict[str, np.ndarray]:
+                   hint_trust: float | None = None, alternatives: int = 0) -> dict[str, np.ndarray]:
     x = {"max_tokens": np.array([max_tokens], np.int32), "mode": np.array([mode.encode()], dtype=object),
          "temperature": np.array([temperature], np.float32), "top_p": np.array([top_p], np.float32),
          "top_k": np.array([top_k], np.int32), "chat": np.array([chat], bool)}
@@ -55,6 +55,8 @@ def request_arrays(prompt: str | None = None, input_ids: list[int] | None = None
         x["verify_threshold"] = np.array([verify_threshold], np.float32)
     if hint_trust is not None:  # else the server's default
         x["hint_trust"] = np.array([hint_trust], np.float32)
+    if alternatives:  # sent only when asked for, so older model repositories still serve
+        x["alternatives"] = np.array([alternatives], np.int32)
     return x
 
 

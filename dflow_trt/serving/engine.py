@@ -309,7 +309,8 @@ class DecodingEngine:
                     res = generate_llmapi(loaded.llm, prompt_ids, req.max_tokens, sampling, on_round=on_round)
                 else:
                     res = generate(loaded.target, drafter, [prompt_ids], req.mode, req.max_tokens, sampling,
-                                   on_round=on_round, verify_threshold=req.verify_threshold, hint_trust=req.hint_trust)
+                                   on_round=on_round, verify_threshold=req.verify_threshold, hint_trust=req.hint_trust,
+                                   alternatives=req.alternatives)
             finally:
                 with self._lock:
                     self._active.pop(rid, None)
@@ -317,6 +318,7 @@ class DecodingEngine:
         acc = res.acceptance_lengths[0]
         stats = {"mode": req.mode, "num_tokens": len(tokens), "tau": res.tau, "acceptance_lengths": acc,
                  "rounds": res.rounds, "verified_drafts": res.verified_drafts, "hints_taken": res.hints_taken,
+                 "alternatives_taken": res.alternatives_taken,
                  "finish_reason": reason,
                  "prefill_s": res.prefill_s, "draft_s": res.draft_s, "verify_s": res.verify_s, "total_s": res.total_s,
                  "tokens_per_s": len(tokens) / res.total_s if res.total_s > 0 else 0.0,

@@ -26,7 +26,8 @@ _DFLOW_IO = """input [
   { name: "block_size", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "chat", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "verify_threshold", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
-  { name: "hint_trust", data_type: TYPE_FP32, dims: [ 1 ], optional: true }
+  { name: "hint_trust", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
+  { name: "alternatives", data_type: TYPE_INT32, dims: [ 1 ], optional: true }
 ]
 output [
   { name: "token_ids", data_type: TYPE_INT32, dims: [ -1 ] },

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..decoding.flow import HINT_TRUST
+from ..decoding.interfaces import MAX_ALTERNATIVES
 from ..decoding.loop import MODES
 from ..errors import UserError
 
@@ -40,6 +41,7 @@ class DecodeRequest:
     chat: bool = False
     verify_threshold: float = 0.0  # verify only drafts the drafter is this sure of (0: the whole block)
     hint_trust: float = HINT_TRUST  # dflow: take the verifier's guess over drafts less sure than this (0: off)
+    alternatives: int = 0  # greedy: also verify up to this many runner-ups for draft 1 (a token tree)
 
 
 def _scalar(inputs: dict[str, np.ndarray], name: str, kind, default=None):
@@ -84,6 +86,9 @@ def parse_request(inputs: dict[str, np.ndarray], limits: Limits = Limits()) -> D
     hint_trust = _scalar(inputs, "hint_trust", float, HINT_TRUST)
     if not 0.0 <= hint_trust <= 1.0:
         raise RequestError(f"hint_trust must be in [0, 1], got {hint_trust}")
+    alternatives = _scalar(inputs, "alternatives", int, 0)
+    if not 0 <= alternatives <= MAX_ALTERNATIVES:
+        raise RequestError(f"alternatives must be in 0..{MAX_ALTERNATIVES}, got {alternatives}")
     stop = inputs.get("stop_words")
     stop_words = [s.decode("utf-8", "replace") if isinstance(s, (bytes, np.bytes_)) else str(s)
                   for s in (np.asarray(stop).reshape(-1) if stop is not None else [])]
@@ -92,7 +97,7 @@ def parse_request(inputs: dict[str, np.ndarray], limits: Limits = Limits()) -> D
                         top_p=_scalar(inputs, "top_p", float, 1.0), top_k=_scalar(inputs, "top_k", int, 0),
                         seed=seed, stop_words=[s for s in stop_words if s], block_size=block or None,
                         chat=bool(_scalar(inputs, "chat", bool, False)), verify_threshold=verify_threshold,
-                        hint_trust=hint_trust)
+                        hint_trust=hint_trust, alternatives=alternatives)
     from ..decoding.sampling import SamplingParams
 
     try:

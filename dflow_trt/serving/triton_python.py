@@ -17,7 +17,8 @@ import triton_python_backend_utils as pb_utils
 from ..errors import UserError
 
 DFLOW_INPUTS = ("text_input", "input_ids", "max_tokens", "mode", "temperature", "top_p", "top_k", "seed",
-                "stop_words", "block_size", "chat", "verify_threshold", "hint_trust")
+                "stop_words", "block_size", "chat", "verify_threshold", "hint_trust",
+                "alternatives")
 FINAL = 1  # TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
