@@ -34,8 +34,9 @@ def run_demo(target_name: str = "smollm2-135m", max_new_tokens: int = 48, num_pr
     and then the CPU's setting (the demo runs on the CPU: its threshold and first-draft
     alternatives), so the algorithm as designed and the setting that pays on this hardware are
     both shown."""
+    cpu_alternatives = CPU_ALTERNATIVES if alternatives is None else alternatives
     if verify_threshold is None:
-        settings = [(0.0, alternatives or 0), (CPU_VERIFY_THRESHOLD, CPU_ALTERNATIVES if alternatives is None else alternatives)]
+        settings = [(0.0, alternatives or 0), (CPU_VERIFY_THRESHOLD, cpu_alternatives)]
     else:
         settings = [(verify_threshold, alternatives or 0)]
     for i, (t, alts) in enumerate(settings):

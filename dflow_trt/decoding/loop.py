@@ -185,7 +185,9 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
         else:
             target.commit(cache, num_acc + 1, path)
         if speculative:
-            taps = out.taps if path is None else out.taps.gather(1, path[..., None].expand(*path.shape, out.taps.shape[-1]))
+            taps = out.taps  # [B, K1(+A), F]
+            if path is not None:
+                taps = taps.gather(1, path[..., None].expand(*path.shape, taps.shape[-1]))
             new_ctx, new_ctx_lens = taps[:, :K1], num_acc + 1  # committed slots are the kept branch's first a+1
             if mode == "dflow":  # a row that took an alternative carries nothing: the chain read draft 1 there
                 chain_acc = num_acc if path is None else torch.where(path[:, 1] >= K1, K1 - 1, num_acc)
