@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--stream", action="store_true", help="print text as rounds commit it")
     c.add_argument("--json", action="store_true", help="print one JSON object at the end")
     _add_verify_threshold(c)
-    _add_alternatives(c, extra="; the in-process dflow model only: dflow_bls verifies chains")
+    _add_alternatives(c)
     _add_hint_trust(c, server=True)
     _add_sampling(c)
     c.set_defaults(func=cmd_client)

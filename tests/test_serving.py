@@ -1,5 +1,6 @@
 """End to end through a real tritonserver (nvidia-pytriton's 2.51) and tritonclient."""
 
+import gc
 import json
 import queue
 import socket
@@ -101,23 +102,60 @@ def test_hint_trust_over_triton_reaches_the_loop(tiny_server, model):
         assert got.stats["acceptance_lengths"] == res.acceptance_lengths[0], (model, trust)
 
 
-def test_alternatives_over_triton_reach_the_loop(tiny_server):
-    """The request's alternatives reach the in-process model's loop: tokens, rounds and verified
-    drafts (runner-ups included) equal a local decode's; the BLS layout, whose remote target
-    verifies chains only, refuses them with a clear error and keeps serving."""
+@pytest.mark.parametrize("model", ["dflow", "dflow_bls"])
+def test_alternatives_over_triton_reach_the_loop(tiny_server, model):
+    """The request's alternatives reach the loop on both layouts (BLS: the drafter model returns the
+    runner-ups, the target model verifies the tree in its KV session and commits the kept branch):
+    tokens, rounds, verified drafts (runner-ups included) and runner-ups taken equal a local decode's."""
     target, drafter = load_backends("tiny-qwen3", None, "dflash", "torch", None, 4, log=lambda m: None)
-    ids = encode_prompt(target.tokenizer, PROMPTS[1], False)
-    local = generate(target, drafter, [ids], "dflash", 24, alternatives=5)
-    assert local.verified_drafts == 3 * local.rounds + 5 * local.rounds  # every round sends 3 drafts + 5 runner-ups
-    got = generate_grpc(tiny_server.grpc_url, "dflow", prompt=PROMPTS[1], mode="dflash", max_tokens=24, block_size=4,
-                        alternatives=5)
-    assert got.token_ids == local.token_ids[0]
-    assert got.stats["acceptance_lengths"] == local.acceptance_lengths[0]
-    assert got.stats["verified_drafts"] == local.verified_drafts
-    assert got.stats["alternatives_taken"] == local.alternatives_taken
-    with pytest.raises(UserError, match="chains only"):
-        generate_grpc(tiny_server.grpc_url, "dflow_bls", prompt=PROMPTS[1], mode="dflash", max_tokens=8, alternatives=2)
-    assert len(generate_grpc(tiny_server.grpc_url, "dflow_bls", prompt="hi", mode="dflash", max_tokens=4).token_ids) == 4
+    for prompt in PROMPTS[1:4]:
+        ids = encode_prompt(target.tokenizer, prompt, False)
+        local = generate(target, drafter, [ids], "dflash", 24, alternatives=5)
+        assert local.verified_drafts == (3 + 5) * local.rounds  # every round sends 3 drafts + 5 runner-ups
+        got = generate_grpc(tiny_server.grpc_url, model, prompt=prompt, mode="dflash", max_tokens=24, block_size=4,
+                            alternatives=5)
+        assert got.token_ids == local.token_ids[0], (model, prompt)
+        assert got.stats["acceptance_lengths"] == local.acceptance_lengths[0]
+        assert got.stats["verified_drafts"] == local.verified_drafts
+        assert got.stats["alternatives_taken"] == local.alternatives_taken
+
+
+def test_bls_tree_verify_equals_a_local_one(tiny_server):
+    """RemoteTarget over the real target model: a tree verify and a committed runner-up branch give
+    the logits and cache a local HFTarget does, and a malformed tree is refused by name."""
+    from dflow_trt.serving.bls import RemoteTarget
+
+    c = grpcclient.InferenceServerClient(tiny_server.grpc_url)
+
+    def remote(model, inputs, names):  # as the BLS adapter's: an error response becomes a UserError
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            r = c.infer(model, _inputs(grpcclient, inputs), outputs=[grpcclient.InferRequestedOutput(n) for n in names])
+        except InferenceServerException as e:
+            raise UserError(str(e)) from None
+        return {n: r.as_numpy(n) for n in names}
+
+    rt = RemoteTarget(remote)
+    assert rt.supports_tree
+    local, _ = load_backends("tiny-qwen3", None, "ar", "torch", None, None, log=lambda m: None)
+    import torch
+
+    ids = torch.tensor([encode_prompt(local.tokenizer, PROMPTS[2], False)])
+    block, parents = torch.tensor([[5, 6, 7, 8]]), torch.tensor([-1, 0, 1, 0])
+    outs = []
+    for t in (rt, local):
+        cache, _ = t.prefill(ids, torch.tensor([ids.shape[1]]))
+        tree = t.verify(cache, block, parents)
+        t.commit(cache, torch.tensor([2]), torch.tensor([[0, 3, 2, 3]]))  # keep [anchor, runner-up 8]
+        outs.append((tree.logits, t.verify(cache, torch.tensor([[9]])).logits))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-5)
+    cache, _ = rt.prefill(ids, torch.tensor([ids.shape[1]]))
+    with pytest.raises(UserError, match="parents"):
+        rt.verify(cache, block, torch.tensor([-1, 2, 0, 0]))
+    del cache  # releases the target session (RemoteTarget finalizes it), as later tests count them
+    gc.collect()
 
 
 def test_streaming_delivers_rounds(tiny_server):

@@ -57,13 +57,15 @@ class RemoteCache:
 class RemoteTarget:
     """Target interface over the `target` model: KV sessions when it offers them, else full recompute."""
 
-    supports_tree = False  # the `target` model's inputs describe a chain
 
     def __init__(self, remote: Remote, model: str = "target"):
         self.remote, self.model = remote, model
         out = remote(model, {"info_only": np.array([True])}, ["info"])
         d = json.loads(bytes(out["info"].reshape(-1)[0]).decode())
         self.sessions = bool(d.pop("kv_sessions", False))
+        # a token tree (first-draft alternatives) needs the session's own cache to reorder
+        trees = bool(d.pop("trees", False))
+        self.supports_tree = self.sessions and trees
         d.pop("active_sessions", None)
         self.info = TargetInfo(**{**d, "tap_layers": tuple(d["tap_layers"]), "eos_token_ids": tuple(d["eos_token_ids"])})
 
@@ -97,22 +99,30 @@ class RemoteTarget:
         weakref.finalize(cache, self._release, sid)  # the request ended, stopped or was cancelled
         return cache, out
 
-    def verify(self, cache: RemoteCache, block_ids: torch.Tensor) -> TargetOutput:
+    def verify(self, cache: RemoteCache, block_ids: torch.Tensor, parents: torch.Tensor | None = None) -> TargetOutput:
         cache.pending = block_ids.tolist()
         S = block_ids.shape[1]
+        if parents is not None and not self.supports_tree:
+            raise UserError("the target model verifies chains only (no KV sessions or no tree support)")
         if cache.session is not None:
-            return self._call({"input_ids": block_ids.numpy().astype(np.int64), "num_last": np.array([S], np.int32),
-                               **self._op("verify", cache.session)})
+            x = {"input_ids": block_ids.numpy().astype(np.int64), "num_last": np.array([S], np.int32)}
+            if parents is not None:
+                x["parents"] = parents.numpy().astype(np.int64)
+            return self._call({**x, **self._op("verify", cache.session)})
         ids, lens = _pad_left([c + p for c, p in zip(cache.committed, cache.pending)])
         return self._call({"input_ids": ids, "prompt_lens": lens, "num_last": np.array([S], np.int32)})
 
-    def commit(self, cache: RemoteCache, num_kept: torch.Tensor) -> None:
+    def commit(self, cache: RemoteCache, num_kept: torch.Tensor, path: torch.Tensor | None = None) -> None:
+        order = None if path is None else path.tolist()
         for b, k in enumerate(num_kept.tolist()):
-            cache.committed[b] += cache.pending[b][:k]
+            row = cache.pending[b] if order is None else [cache.pending[b][i] for i in order[b]]
+            cache.committed[b] += row[:k]
         cache.pending = None
         if cache.session is not None:
-            self._call({"num_kept": num_kept.numpy().astype(np.int64), **self._op("commit", cache.session)},
-                       names=("info",))
+            x = {"num_kept": num_kept.numpy().astype(np.int64)}
+            if path is not None:
+                x["path"] = path.numpy().astype(np.int64)
+            self._call({**x, **self._op("commit", cache.session)}, names=("info",))
 
 
 @dataclass
@@ -164,11 +174,16 @@ class RemoteDrafter:
         if flow is not None:
             inputs.update(flow_taps=flow.taps.numpy().astype(np.float32), flow_token_ids=flow.token_ids.numpy(),
                           flow_hint_ids=flow.hint_ids.numpy(), flow_valid=flow.valid.numpy())
-        names = ["draft_ids", "draft_confidence"] + ([] if sampler.greedy else ["draft_probs"])
+        names = ["draft_ids", "draft_confidence"] + (["alt_ids", "alt_confidence"] if sampler.greedy else ["draft_probs"])
         out = self.remote(self.model, inputs, names)
         probs = None if sampler.greedy else torch.from_numpy(np.array(out["draft_probs"]))
+        alt_ids = alt_conf = None
+        if sampler.greedy:
+            alt_ids = torch.from_numpy(np.array(out["alt_ids"])).long()
+            alt_conf = torch.from_numpy(np.array(out["alt_confidence"]))
         return Proposal(draft_ids=torch.from_numpy(np.array(out["draft_ids"])).long(), draft_probs=probs,
-                        confidence=torch.from_numpy(np.array(out["draft_confidence"])))
+                        confidence=torch.from_numpy(np.array(out["draft_confidence"])), alt_ids=alt_ids,
+                        alt_conf=alt_conf)
 
 
 # ---------------------------------------------------------------- server side (target / drafter models)
@@ -192,7 +207,8 @@ class TargetService:
         return json.dumps({"name": i.name, "fingerprint": i.fingerprint, "vocab_size": i.vocab_size,
                            "hidden_size": i.hidden_size, "num_layers": i.num_layers,
                            "tap_layers": list(i.tap_layers), "eos_token_ids": list(i.eos_token_ids),
-                           "kv_sessions": True, "active_sessions": self.active_sessions}).encode()
+                           "kv_sessions": True, "trees": bool(getattr(self.target, "supports_tree", False)),
+                           "active_sessions": self.active_sessions}).encode()
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         if int(ids.min()) < 0 or int(ids.max()) >= self.target.info.vocab_size:
@@ -244,10 +260,29 @@ class TargetService:
             if block.ndim != 2:
                 raise UserError(f"verify needs input_ids [B, S], got {list(block.shape)}")
             self._check_ids(block)
-            out = self.target.verify(cache, block)
+            if "parents" in x:
+                if not getattr(self.target, "supports_tree", False):
+                    raise UserError("this target back end verifies chains only; send no `parents`")
+                parents = torch.from_numpy(np.asarray(x["parents"], dtype=np.int64)).reshape(-1)
+                if parents.shape != (block.shape[1],):
+                    raise UserError(f"parents needs one entry per block slot ({block.shape[1]}), got {list(parents.shape)}")
+                try:
+                    out = self.target.verify(cache, block, parents)
+                except ValueError as e:  # a malformed tree, named by tree_ancestors
+                    raise UserError(str(e)) from None
+            else:
+                out = self.target.verify(cache, block)
             return {"logits": out.logits.float().numpy(), "hidden_states": out.taps.float().numpy()}
         if op == "commit":
-            self.target.commit(cache, torch.from_numpy(np.asarray(x["num_kept"], dtype=np.int64)))
+            kept = torch.from_numpy(np.asarray(x["num_kept"], dtype=np.int64))
+            if "path" in x:
+                path = torch.from_numpy(np.asarray(x["path"], dtype=np.int64))
+                if path.shape != (kept.shape[0], cache.pending) or not ((path >= 0) & (path < cache.pending)).all():
+                    raise UserError(f"path needs [rows, block] = [{kept.shape[0]}, {cache.pending}] slot indices "
+                                    f"of the verified block, got {list(path.shape)}")
+                self.target.commit(cache, kept, path)
+            else:
+                self.target.commit(cache, kept)
             return {"info": np.array([b"committed"], dtype=object)}
         raise UserError(f"unknown target op {op!r}; use prefill, verify, commit or release")
 
@@ -291,4 +326,7 @@ class DrafterService:
                "draft_confidence": prop.confidence.float().numpy()}
         if prop.draft_probs is not None:
             out["draft_probs"] = prop.draft_probs.float().numpy()
+        if prop.alt_ids is not None:
+            out["alt_ids"] = prop.alt_ids.numpy().astype(np.int64)
+            out["alt_confidence"] = prop.alt_conf.float().numpy()
         return out

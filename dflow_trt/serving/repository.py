@@ -43,7 +43,9 @@ _TARGET_IO = """input [
   { name: "info_only", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "op", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "session_id", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
-  { name: "num_kept", data_type: TYPE_INT64, dims: [ -1 ], optional: true }
+  { name: "num_kept", data_type: TYPE_INT64, dims: [ -1 ], optional: true },
+  { name: "parents", data_type: TYPE_INT64, dims: [ -1 ], optional: true },
+  { name: "path", data_type: TYPE_INT64, dims: [ -1, -1 ], optional: true }
 ]
 output [
   { name: "logits", data_type: TYPE_FP32, dims: [ -1, -1, -1 ] },
@@ -72,6 +74,8 @@ output [
   { name: "draft_ids", data_type: TYPE_INT64, dims: [ -1, -1 ] },
   { name: "draft_probs", data_type: TYPE_FP32, dims: [ -1, -1, -1 ] },
   { name: "draft_confidence", data_type: TYPE_FP32, dims: [ -1, -1 ] },
+  { name: "alt_ids", data_type: TYPE_INT64, dims: [ -1, -1 ] },
+  { name: "alt_confidence", data_type: TYPE_FP32, dims: [ -1, -1 ] },
   { name: "info", data_type: TYPE_STRING, dims: [ 1 ] }
 ]"""
 

@@ -153,7 +153,7 @@ class _StatelessModel:
 class TargetModel(_StatelessModel):
     """Target: logits and tap hidden states, statelessly or in KV sessions (`op`, `session_id`)."""
 
-    NAMES = ("input_ids", "prompt_lens", "num_last", "info_only", "op", "session_id", "num_kept")
+    NAMES = ("input_ids", "prompt_lens", "num_last", "info_only", "op", "session_id", "num_kept", "parents", "path")
 
     def load(self, params, repo):
         from .services import load_target_service
