@@ -25,9 +25,9 @@ class RunnerUpOracle(OracleDrafter):
     hidden among the runner-ups at a seeded rank (or left out), so every acceptance path is taken:
     the chain, an alternative, none."""
 
-    def __init__(self, sequences, block_size, vocab, seed=0):
+    def __init__(self, sequences, block_size, vocab, seed=0, per_row_conf=False):
         super().__init__(sequences, block_size)
-        self.g, self.vocab = torch.Generator().manual_seed(seed), vocab
+        self.g, self.vocab, self.per_row_conf = torch.Generator().manual_seed(seed), vocab, per_row_conf
 
     def draft(self, *args):
         ids = super().draft(*args).draft_ids  # [B, K]
@@ -41,6 +41,8 @@ class RunnerUpOracle(OracleDrafter):
         alts[hide, rank[hide]] = right[hide]
         conf = torch.full((B, K), 0.9)
         alt_conf = torch.tensor([0.6, 0.4, 0.1, 0.02]).repeat(B, 1)
+        if self.per_row_conf:  # rows propose different numbers of runner-ups under a threshold, some none
+            alt_conf = alt_conf * torch.rand(B, 1, generator=self.g) * 2
         return Proposal(draft_ids=ids, draft_probs=None, confidence=conf, alt_ids=alts, alt_conf=alt_conf)
 
 
@@ -66,6 +68,10 @@ def test_alternatives_are_lossless_batched_and_single(tiny_qwen3, S, threshold):
                          stop_token_ids=(), verify_threshold=threshold)
         assert chain.token_ids == ar and chain.alternatives_taken == 0
         assert chain.tau < res.tau
+        mixed = generate(tiny_qwen3, RunnerUpOracle(seqs, S, tiny_qwen3.info.vocab_size, seed=7, per_row_conf=True),
+                         prompts, mode, max_new, stop_token_ids=(), verify_threshold=max(threshold, 0.05),
+                         alternatives=4)
+        assert mixed.token_ids == ar and mixed.alternatives_taken > 0
 
 
 def test_untrained_drafter_with_alternatives_is_lossless(tiny_qwen3):
@@ -124,6 +130,28 @@ def test_tree_verify_matches_chain_verifies(tiny_qwen3):
         t.commit(ref_cache, torch.tensor([len(kept)]))
         ref = t.verify(ref_cache, torch.tensor([[1]]))
         torch.testing.assert_close(nxt.logits[b], ref.logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_tree_needs_sdpa_attention_and_a_refused_tree_leaves_the_cache_usable(tiny_qwen3):
+    from dflow_trt.targets import load_target
+
+    eager = load_target("tiny-qwen3", num_taps=3)
+    eager.model.set_attn_implementation("eager")  # adds a mask to the scores: a bool tree mask would not mask
+    assert tiny_qwen3.supports_tree and not eager.supports_tree
+    p = _prompts(tiny_qwen3, 1)
+    d = TorchDrafter(build_drafter(eager, untrained_config(eager, flow=False, block_size=4)))
+    with pytest.raises(UserError, match="chains only"):
+        generate(eager, d, p, "dflash", 4, alternatives=2)
+
+    ids, lens = torch.tensor(p), torch.tensor([len(p[0])])
+    cache, _ = tiny_qwen3.prefill(ids, lens)
+    with pytest.raises(ValueError, match="parents"):
+        tiny_qwen3.verify(cache, torch.tensor([[5, 6, 7]]), torch.tensor([-1, 2, 0]))
+    with pytest.raises(ValueError, match="parents"):
+        tiny_qwen3.verify(cache, torch.tensor([[5, 6, 7]]), torch.tensor([-1, 0]))
+    got = tiny_qwen3.verify(cache, torch.tensor([[5, 6, 7]]))
+    ref_cache, _ = tiny_qwen3.prefill(ids, lens)
+    torch.testing.assert_close(got.logits, tiny_qwen3.verify(ref_cache, torch.tensor([[5, 6, 7]])).logits)
 
 
 def test_accept_alternative_and_counts():

@@ -92,7 +92,7 @@ class Proposal:
     confidence: torch.Tensor | None = None  # [B, K] drafter's top probability per position, never a
     # function of the sampled draft itself (see sampling.propose); None: unknown
     alt_ids: torch.Tensor | None = None  # [B, A] greedy: the drafter's runner-up tokens for draft 1, best first
-    alt_conf: torch.Tensor | None = None  # [B, A] their drafter probabilities
+    alt_conf: torch.Tensor | None = None  # [B, A] their drafter probabilities (given whenever alt_ids is)
 
 
 class Drafter(Protocol):

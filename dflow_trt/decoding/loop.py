@@ -168,15 +168,15 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
             parents = torch.cat([torch.arange(-1, K1 - 1), torch.zeros(alts.shape[1], dtype=torch.long)])
             out = target.verify(cache, torch.cat([block, alts], 1), parents)  # [B, K1+A]
         path = None  # [B, K1+A] block slots in the order the kept branch needs them (None: as verified)
+        took = None  # [B] bool: rows that committed a first-draft alternative
         if not speculative:
             num_acc, nxt = torch.zeros(B, dtype=torch.long, device=dev), pick(out.logits[:, 0], sampling, gen)
         elif sampling.greedy:
             num_acc, nxt = greedy_accept(block[:, 1:], out.logits[:, :K1], n_drafts)
             if alts is not None:
-                took = accept_alternative(alts, out.logits[:, 0].argmax(-1), num_acc, n_alts)  # [B], -1: none
-                if bool((took >= 0).any()):
-                    path, block, num_acc, nxt = _take_alternative(block, alts, took, out.logits, num_acc, nxt)
-                    alts_taken += sum(t >= 0 and not done[b] for b, t in enumerate(took.tolist()))
+                which = accept_alternative(alts, out.logits[:, 0].argmax(-1), num_acc, n_alts)  # [B], -1: none
+                if bool((which >= 0).any()):
+                    took, path, block, num_acc, nxt = _take_alternative(block, alts, which, out.logits, num_acc, nxt)
         else:
             num_acc, nxt = rejection_sample(block[:, 1:], draft_probs, processed_probs(out.logits, sampling), gen,
                                             n_drafts)
@@ -185,20 +185,21 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
         else:
             target.commit(cache, num_acc + 1, path)
         if speculative:
-            taps = out.taps  # [B, K1(+A), F]
+            taps = out.taps[:, :K1]  # [B, K1, F]
             if path is not None:
-                taps = taps.gather(1, path[..., None].expand(*path.shape, taps.shape[-1]))
-            new_ctx, new_ctx_lens = taps[:, :K1], num_acc + 1  # committed slots are the kept branch's first a+1
+                taps = out.taps.gather(1, path[:, :K1, None].expand(B, K1, out.taps.shape[-1]))
+            new_ctx, new_ctx_lens = taps, num_acc + 1  # committed slots are the kept branch's first a+1
             if mode == "dflow":  # a row that took an alternative carries nothing: the chain read draft 1 there
-                chain_acc = num_acc if path is None else torch.where(path[:, 1] >= K1, K1 - 1, num_acc)
+                chain_acc = num_acc if took is None else torch.where(took, K1 - 1, num_acc)
                 flow = carry_flow(block, out.taps[:, :K1], out.logits[:, :K1].argmax(-1), chain_acc,
                                   drafter.block_size)
         verify_s += time.perf_counter() - t1
         draft_s += t1 - t0
 
-        acc, nxt_l, blk = num_acc.tolist(), nxt.tolist(), block.tolist()  # one host sync per round
+        acc, nxt_l, blk = num_acc.tolist(), nxt.tolist(), block.tolist()  # the round's tokens to the host
         proposed = [K1 - 1] * B if n_drafts is None else n_drafts.tolist()
         proposed_alts = [0] * B if alts is None else n_alts.tolist()
+        took_l = [False] * B if took is None else took.tolist()
         replaced_upto = None if replaced is None else replaced.long().cumsum(1).tolist()  # [B][K]: among drafts 1..k
         committed: list[list[int]] = [[] for _ in range(B)]
         for b in range(B):
@@ -206,6 +207,7 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
                 continue
             accept_lens[b].append(acc[b] + 1)
             verified += proposed[b] + proposed_alts[b]
+            alts_taken += took_l[b]
             if replaced_upto is not None:  # counted like `verified`: the drafts this row sent
                 hints += replaced_upto[b][proposed[b] - 1]
             for t in blk[b][1:acc[b] + 1] + [nxt_l[b]]:
@@ -239,17 +241,17 @@ def alternative_counts(alt_conf: torch.Tensor, alternatives: int, threshold: flo
     return (alt_conf >= threshold).sum(-1)
 
 
-def _take_alternative(block: torch.Tensor, alts: torch.Tensor, took: torch.Tensor, logits: torch.Tensor,
-                      num_acc: torch.Tensor, nxt: torch.Tensor):
-    """Rows with took[b] >= 0 keep [anchor, that alternative] and the target's token after it.
+def _take_alternative(block: torch.Tensor, alts: torch.Tensor, which: torch.Tensor, logits: torch.Tensor,
+                      num_acc: torch.Tensor, nxt: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Rows with which[b] >= 0 keep [anchor, that alternative] and the target's token after it.
     block [B, K1] (K1 >= 2), alts [B, A], logits [B, K1+A, V].
-    Returns (path [B, K1+A], the block as committed [B, K1], num_acc [B], nxt [B])."""
+    Returns (rows that took one [B] bool, path [B, K1+A], the block as committed [B, K1], num_acc [B], nxt [B])."""
     B, K1 = block.shape
-    rows = took >= 0
-    slot = K1 + took.clamp(min=0)  # [B] the alternative's slot in the verified block
+    rows = which >= 0
+    slot = K1 + which.clamp(min=0)  # [B] the alternative's slot in the verified block
     path = torch.arange(K1 + alts.shape[1], device=block.device).repeat(B, 1)  # [B, K1+A]
     path[:, 1] = torch.where(rows, slot, path[:, 1])  # only a row's first num_acc+1 path slots are kept
     block = block.clone()
-    block[:, 1] = torch.where(rows, alts.gather(1, took.clamp(min=0)[:, None])[:, 0], block[:, 1])
+    block[:, 1] = torch.where(rows, alts.gather(1, which.clamp(min=0)[:, None])[:, 0], block[:, 1])
     after = logits.gather(1, slot[:, None, None].expand(B, 1, logits.shape[-1]))[:, 0].argmax(-1)  # [B]
-    return path, block, torch.where(rows, torch.ones_like(num_acc), num_acc), torch.where(rows, after, nxt)
+    return rows, path, block, torch.where(rows, torch.ones_like(num_acc), num_acc), torch.where(rows, after, nxt)

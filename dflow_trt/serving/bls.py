@@ -57,7 +57,6 @@ class RemoteCache:
 class RemoteTarget:
     """Target interface over the `target` model: KV sessions when it offers them, else full recompute."""
 
-
     def __init__(self, remote: Remote, model: str = "target"):
         self.remote, self.model = remote, model
         out = remote(model, {"info_only": np.array([True])}, ["info"])
@@ -100,10 +99,10 @@ class RemoteTarget:
         return cache, out
 
     def verify(self, cache: RemoteCache, block_ids: torch.Tensor, parents: torch.Tensor | None = None) -> TargetOutput:
-        cache.pending = block_ids.tolist()
-        S = block_ids.shape[1]
         if parents is not None and not self.supports_tree:
             raise UserError("the target model verifies chains only (no KV sessions or no tree support)")
+        cache.pending = block_ids.tolist()
+        S = block_ids.shape[1]
         if cache.session is not None:
             x = {"input_ids": block_ids.numpy().astype(np.int64), "num_last": np.array([S], np.int32)}
             if parents is not None:
@@ -276,6 +275,8 @@ class TargetService:
         if op == "commit":
             kept = torch.from_numpy(np.asarray(x["num_kept"], dtype=np.int64))
             if "path" in x:
+                if not getattr(self.target, "supports_tree", False):
+                    raise UserError("this target back end commits chains only; send no `path`")
                 path = torch.from_numpy(np.asarray(x["path"], dtype=np.int64))
                 if path.shape != (kept.shape[0], cache.pending) or not ((path >= 0) & (path < cache.pending)).all():
                     raise UserError(f"path needs [rows, block] = [{kept.shape[0]}, {cache.pending}] slot indices "

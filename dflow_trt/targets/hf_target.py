@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from ..backends.torch_cpu import GROUPED_SDPA
 from ..decoding.interfaces import TargetInfo, TargetOutput
 from ..errors import UserError
 from .kv_cache import new_kv_cache, reorder_last_slots
@@ -81,13 +82,19 @@ class HFTarget:
             raise UserError(f"tap layers {bad} out of range for a {n}-layer target; use layers 0..{n - 2}")
         self.model = model.eval()
         self.tokenizer = tokenizer
-        # trees reorder cached slots in place: every layer must keep all of them (no sliding window)
-        self.supports_tree = all(t == "full_attention" for t in (getattr(model.config, "layer_types", None) or [
-            "full_attention"]))
         self.info = TargetInfo(
             name=name, fingerprint=target_fingerprint(model), vocab_size=model.config.vocab_size,
             hidden_size=model.config.hidden_size, num_layers=n, tap_layers=tuple(tap_layers),
             eos_token_ids=tuple(eos_token_ids))
+
+    @property
+    def supports_tree(self) -> bool:
+        """Whether `verify` takes a token tree: the attention must read a 4D bool mask as "True =
+        attend" (SDPA; eager attention would add it), and every layer must keep every cached slot
+        (no sliding window), since a branch commit reorders them in place."""
+        c = self.model.config
+        return (getattr(c, "_attn_implementation", None) in ("sdpa", GROUPED_SDPA)
+                and all(t == "full_attention" for t in (getattr(c, "layer_types", None) or ["full_attention"])))
 
     @property
     def device(self) -> torch.device:
@@ -144,13 +151,19 @@ class HFTarget:
         """Chain, or a tree when `parents` [S] is given (see `TreeTarget.verify`)."""
         assert cache.pending == 0, "commit() the previous block before verifying the next"
         B, S = block_ids.shape
+        if parents is not None:  # checked before the cache changes, so a refused tree leaves it usable
+            if not self.supports_tree:
+                raise UserError("this target's attention or cache cannot verify a token tree (it needs SDPA "
+                                "attention and full-attention layers); verify chains (no --alternatives)")
+            if parents.shape != (S,):
+                raise ValueError(f"parents needs one entry per block slot ({S}), got {list(parents.shape)}")
+            anc = tree_ancestors(parents.tolist(), self.device)  # [S, S]
         past = cache.valid  # [B, P]
         cache.valid = torch.cat([past, past.new_ones(B, S)], dim=1)  # [B, P+S]
         if parents is None:
             pos = cache.next_pos[:, None] + torch.arange(S, device=self.device)  # [B, S]
             mask = cache.valid
         else:
-            anc = tree_ancestors(parents.tolist(), self.device)  # [S, S]
             pos = cache.next_pos[:, None] + anc.sum(-1)[None, :] - 1  # [B, S]: next_pos + depth
             mask = torch.cat([past[:, None, None, :].expand(B, 1, S, past.shape[1]),
                               anc[None, None].expand(B, 1, S, S)], -1)  # [B, 1, S, P+S]
@@ -163,6 +176,7 @@ class HFTarget:
         num_kept = num_kept.to(self.device)
         assert S > 0 and ((num_kept >= 1) & (num_kept <= S)).all()
         if path is not None:  # the kept branch's slots move to the front of the block, in order
+            assert path.shape == (num_kept.shape[0], S), (tuple(path.shape), S)
             reorder_last_slots(cache.kv, path.to(self.device))
         keep = torch.arange(S, device=self.device)[None, :] < num_kept[:, None]  # [B, S]
         cache.valid[:, -S:] = keep
