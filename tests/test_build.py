@@ -44,14 +44,19 @@ def test_build_writes_everything(built):
 def test_rebuild_is_cached_and_unfinished_stages_rerun(built):
     spec, out, _ = built
     (out / ".stages" / "trtllm-configs.json").unlink()  # as if interrupted before its marker
-    stale = out / "onnx" / ".target-abc123"
-    stale.mkdir()  # a temporary left by a killed export
+    stale = out / "trtllm" / ".llm_api.json.dflow-tmp-abc123"
+    stale.write_text("half")  # the temporary a killed write of that stage left behind
+    users = [out / ".my-notes", out / "onnx" / ".target-abc123", out / "sub" / ".node-cache"]
+    for d in users:  # hidden folders with a '-' that the build did not write: never deleted
+        d.mkdir(parents=True)
+        (d / "keep.txt").write_text("mine")
     logs = []
     Build(spec, log=logs.append).run()
     cached = [line for line in logs if line.endswith(": cached")]
     rebuilt = [line for line in logs if line.endswith("building ...")]
     assert len(cached) >= 10 and rebuilt == ["[12] trtllm-configs: building ..."], rebuilt
     assert not stale.exists()
+    assert all((d / "keep.txt").read_text() == "mine" for d in users)
 
 
 def test_load_backends_onnxruntime_equals_torch(built):

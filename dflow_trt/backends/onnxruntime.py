@@ -68,7 +68,8 @@ class OrtTarget:
         self.num_layers, self.num_kv_heads, self.head_dim = m["num_layers"], m["num_kv_heads"], m["head_dim"]
         self.info = TargetInfo(name=m["target"], fingerprint=m["fingerprint"], vocab_size=m["vocab_size"],
                                hidden_size=m["hidden_size"], num_layers=m["num_layers"],
-                               tap_layers=tuple(m["tap_layers"]), eos_token_ids=tuple(m["eos_token_ids"]))
+                               tap_layers=tuple(m["tap_layers"]), eos_token_ids=tuple(m["eos_token_ids"]),
+                               max_context=m.get("max_context"))
         self.input_names, _ = onnx_target.io_names(self.num_layers)
 
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor,

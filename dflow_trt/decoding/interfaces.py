@@ -27,6 +27,7 @@ class TargetInfo:
     num_layers: int
     tap_layers: tuple[int, ...]  # decoder layer indices whose *output* is tapped
     eos_token_ids: tuple[int, ...]
+    max_context: int | None = None  # positions the target was trained for (prompt + output); None: unknown
 
 
 @dataclass

@@ -96,6 +96,10 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], 
         raise UserError("empty prompt: give at least one token")
     if max_new_tokens < 1:
         raise UserError(f"max new tokens must be >= 1, got {max_new_tokens}")
+    ctx = target.info.max_context
+    if ctx and max(map(len, prompts)) + max_new_tokens > ctx:
+        raise UserError(f"prompt ({max(map(len, prompts))} tokens) + max new tokens ({max_new_tokens}) exceed the "
+                        f"target's context of {ctx} tokens; shorten the prompt or ask for fewer new tokens")
     if mode != "ar" and drafter is None:
         raise UserError(f"mode {mode!r} needs a drafter")
     if not 0.0 <= verify_threshold < 1.0:

@@ -6,12 +6,18 @@ and speculative sampling agree on what "lossless" means. No model is called here
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import UserError
 from .interfaces import Proposal
+
+
+MIN_TEMPERATURE = 1e-3  # below it logits / T overflows float32 for ordinary logit gaps
+MAX_TEMPERATURE = 100.0  # above it the distribution is uniform to float32 precision
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's range
 
 
 @dataclass(frozen=True)
@@ -22,12 +28,19 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise UserError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise UserError(f"top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise UserError(f"top-k must be >= 0, got {self.top_k}")
+        # refused before any work: NaN/inf or a denormal temperature would turn the processed
+        # distribution into NaN (a traceback) or into uniform noise (silently wrong text)
+        t, p, k, seed = self.temperature, self.top_p, self.top_k, self.seed
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not (
+                t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
+            raise UserError(f"temperature must be 0 (greedy) or between {MIN_TEMPERATURE} and {MAX_TEMPERATURE}, "
+                            f"got {t!r}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):  # NaN fails too
+            raise UserError(f"top-p must be in (0, 1], got {p!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise UserError(f"top-k must be an integer >= 0 (0: no cut), got {k!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+            raise UserError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
 
     @property
     def greedy(self) -> bool:

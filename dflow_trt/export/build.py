@@ -24,17 +24,17 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..atomic import claim_dir, write_text
 from ..drafter.defaults import DEFAULT_NUM_TAPS, shipped_drafter_path, untrained_config
 from ..drafter.io import build_drafter, load_drafter, read_config, save_drafter
 from ..errors import UserError
-from ..targets import load_target
+from ..targets import TARGET_NAMES, load_target
 from . import manifest as mf
 
 STAGES_DIR = ".stages"
@@ -56,6 +56,12 @@ class BuildSpec:
     fp8_check: bool = True
     onnx_only: bool = False  # just the ONNX graphs (what `--backend onnxruntime` needs)
 
+    def __post_init__(self):
+        for name in ("tp_size", "calib_prompts", "check_prompts", "check_max_new_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+
     @property
     def build_dir(self) -> Path:
         return Path(self.out) if self.out else Path("build") / (self.name or self.target.replace("/", "_"))
@@ -68,12 +74,10 @@ def _code_hash() -> str:
 
 class Build:
     def __init__(self, spec: BuildSpec, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)):
+        """Touches no file: `run` validates every input first, and takes over `--out` only if it is
+        new, empty or an earlier build (a folder of other files is refused, never cleaned)."""
         self.spec, self.log = spec, log
         self.dir = spec.build_dir
-        self.dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.dir.rglob(".*-*"):  # temporaries of an interrupted earlier build
-            if stale.is_dir() and stale.name != STAGES_DIR:
-                shutil.rmtree(stale, ignore_errors=True)
         self.tools = mf.tool_versions()
         self.code = _code_hash()
         self.artefacts: dict[str, str] = {}
@@ -104,9 +108,7 @@ class Build:
         missing = [r for r in rel if not (self.dir / r).exists()]
         assert not missing, f"stage {stage} did not produce {missing}"
         marker.parent.mkdir(parents=True, exist_ok=True)
-        tmp = marker.with_name(f".{marker.name}.tmp")
-        tmp.write_text(json.dumps({"hash": key, "outputs": rel, "inputs": inputs}, indent=2) + "\n")
-        tmp.replace(marker)
+        write_text(marker, json.dumps({"hash": key, "outputs": rel, "inputs": inputs}, indent=2) + "\n")
         self.log(f"[{self.step}] {stage}: done in {time.perf_counter() - t0:.1f}s")
         self._record(stage, rel)
         return False
@@ -136,8 +138,15 @@ class Build:
 
     def run(self) -> dict:
         s = self.spec
+        claim_dir(self.dir, "dflow_trt build", own=(STAGES_DIR, mf.MANIFEST))
         self.untrained: list[str] = []
         paths = self.resolve_drafters()
+        for p in paths.values():
+            if p.parent != self.dir / "drafters" and not (p / "config.json").is_file():
+                raise UserError(f"no drafter at {p} (no config.json); pass a folder written by `dflow-trt train`")
+        if s.target not in TARGET_NAMES and not (Path(s.target) / "config.json").is_file():
+            raise UserError(f"unknown target {s.target!r}; use one of {', '.join(TARGET_NAMES)} or a checkpoint folder")
+        self.dir.mkdir(parents=True, exist_ok=True)
         if self.untrained:
             self.log(f"warning: no trained {'/'.join(self.untrained)} drafter for {s.target}; using seeded untrained "
                      "drafters (tau ~ 1); train with `dflow-trt train` and pass --drafter")
@@ -237,9 +246,7 @@ class Build:
             for name, text in (("llm_api.json", json.dumps(opts, indent=2) + "\n"), ("llm_api.yaml", trtllm.to_yaml(opts) + "\n"),
                                ("build_engines.sh", "#!/usr/bin/env bash\n# TensorRT-LLM engine build (GPU host)\nset -euo pipefail\n"
                                 + "\n".join(" ".join(c) for c in commands) + "\n")):
-                tmp = trt / f".{name}.tmp"
-                tmp.write_text(text)
-                tmp.replace(trt / name)
+                write_text(trt / name, text)
         self.stage("trtllm-configs", {**base_in, "tp": tp, "dflash": dflash_dir, "block": block},
                    [trt / "llm_api.json", trt / "llm_api.yaml", trt / "build_engines.sh"], write_configs)
 

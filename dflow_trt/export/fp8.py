@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..atomic import atomic_dir
 from ..backends import torch_cpu
 from ..decoding.loop import generate
 from ..drafter.model import DFlowDrafter
@@ -107,31 +105,15 @@ def quantize_drafter(drafter: DFlowDrafter, target: HFTarget, calib_ids: list[li
 # ---------------------------------------------------------------- checkpoints
 
 
-def _atomic_dir(out_dir: Path):
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-
-
-def _publish(tmp: Path, out_dir: Path) -> Path:
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
-    return out_dir
-
-
 def export_target_hf_fp8(qtarget: HFTarget, out_dir: str | Path) -> Path:
     """ModelOpt's HF FP8 checkpoint of a quantized target (+ tokenizer), written atomically."""
     from modelopt.torch.export import export_hf_checkpoint
 
-    out_dir = Path(out_dir)
-    tmp = _atomic_dir(out_dir)
-    try:
+    with atomic_dir(out_dir) as tmp:
         export_hf_checkpoint(copy.deepcopy(qtarget.model), export_dir=tmp)
         if qtarget.tokenizer is not None:
             qtarget.tokenizer.save_pretrained(tmp)
-        return _publish(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return Path(out_dir)
 
 
 def quantized_linears(model: nn.Module):

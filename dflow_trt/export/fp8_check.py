@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import write_text
 from ..decoding.loop import _pad_left, generate
 from ..drafter.model import DFlowDrafter
 from ..drafter.runtime import TorchDrafter
@@ -142,9 +143,4 @@ def run_check(full: HFTarget, fp8: HFTarget, drafters: dict[str, tuple[DFlowDraf
 
 
 def write_report(report: Fp8Report, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(report.to_json())
-    tmp.replace(path)
-    return path
+    return write_text(path, report.to_json())

@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..atomic import atomic_dir
 from ..drafter.config import DrafterConfig
 from ..drafter.model import DFlowDrafter
 from ..errors import UserError
-from .fp8 import HF_QUANT_CONFIG, _atomic_dir, _publish, drafter_fp8_state_dict, write_json
+from .fp8 import HF_QUANT_CONFIG, drafter_fp8_state_dict, write_json
 from .trtllm import drafter_record
 
 _ZLAB = [(r"^ctx_proj\.", "fc."), (r"^ctx_norm\.", "hidden_norm."),
@@ -82,9 +82,7 @@ def export_drafter_hf(drafter: DFlowDrafter, out_dir: str | Path, layout: str = 
     else:
         sd = {k: v.detach().float().contiguous() for k, v in drafter.state_dict().items()
               if k not in ("embed_weight", "lm_head_weight")}
-    out_dir = Path(out_dir)
-    tmp = _atomic_dir(out_dir)
-    try:
+    with atomic_dir(out_dir) as tmp:
         if layout == "dflash":
             sd = {zlab_name(k): v for k, v in sd.items() if k != "draft_vocab"}
             config = dflash_config(drafter)
@@ -96,9 +94,7 @@ def export_drafter_hf(drafter: DFlowDrafter, out_dir: str | Path, layout: str = 
             write_json(tmp / "hf_quant_config.json", HF_QUANT_CONFIG)
         save_file(sd, tmp / "model.safetensors", metadata={"format": "pt"})
         write_json(tmp / "config.json", config)
-        return _publish(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return Path(out_dir)
 
 
 def dequantize_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

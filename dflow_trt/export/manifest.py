@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import write_text
 from ..errors import UserError
 
 MANIFEST = "manifest.json"
@@ -53,10 +54,7 @@ def hash_state_dict(module: torch.nn.Module) -> str:
 
 def write_manifest(build_dir: Path, manifest: dict) -> Path:
     path = build_dir / MANIFEST
-    tmp = path.with_name(f".{MANIFEST}.tmp")
-    tmp.write_text(json.dumps({"format": FORMAT, **manifest}, indent=2) + "\n")
-    tmp.replace(path)
-    return path
+    return write_text(path, json.dumps({"format": FORMAT, **manifest}, indent=2) + "\n")
 
 
 def read_manifest(build_dir: str | Path) -> dict:

@@ -25,14 +25,12 @@ same block inputs as `flow=None`. The target's embeddings and LM head are baked 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..atomic import atomic_dir
 from ..decoding.interfaces import FlowState
 from ..drafter.model import DFlowDrafter
 
@@ -103,9 +101,7 @@ def export_drafter(model: DFlowDrafter, out_dir: str | Path, opset: int = 18) ->
     rest = [{0: A, 1: A}] * (4 if c.flow else 0) + [{0: A, 2: A}] * (2 * c.num_layers)
     dyn = (*fixed, tuple(rest))  # *rest (flow inputs, then past K/V) is one group
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp:
         with torch.no_grad():
             prog = torch.onnx.export(graph, inputs, dynamo=True, dynamic_shapes=dyn, input_names=in_names,
                                      output_names=out_names, opset_version=opset, optimize=True, verbose=False)
@@ -114,9 +110,4 @@ def export_drafter(model: DFlowDrafter, out_dir: str | Path, opset: int = 18) ->
                 "draft_vocab": model.draft_vocab.tolist() if c.draft_vocab_size is not None else None,
                 "opset": opset}
         (tmp / META).write_text(json.dumps(meta) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir

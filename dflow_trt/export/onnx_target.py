@@ -24,15 +24,13 @@ frozen to 1 (see DESIGN §2).
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 
+from ..atomic import atomic_dir
 from ..targets.hf_target import HFTarget
 
 GRAPH = "target.onnx"
@@ -101,9 +99,7 @@ def export_target(target: HFTarget, out_dir: str | Path, opset: int = 18) -> Pat
     A = torch.export.Dim.AUTO
     dyn = ({0: A, 1: A}, {0: A, 1: A}, {0: A, 1: A}, tuple({0: A, 2: A} for _ in range(2 * n)))  # *past: one group
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp:
         with torch.no_grad():
             prog = torch.onnx.export(graph, inputs, dynamo=True, dynamic_shapes=dyn, input_names=in_names,
                                      output_names=out_names, opset_version=opset, optimize=True, verbose=False)
@@ -111,12 +107,8 @@ def export_target(target: HFTarget, out_dir: str | Path, opset: int = 18) -> Pat
         meta = {"kind": "dflow_trt-target-onnx", "target": target.info.name, "fingerprint": target.info.fingerprint,
                 "tap_layers": list(target.info.tap_layers), "num_layers": n, "num_kv_heads": hkv, "head_dim": d,
                 "hidden_size": target.info.hidden_size, "vocab_size": target.info.vocab_size,
-                "eos_token_ids": list(target.info.eos_token_ids), "inputs": in_names, "outputs": out_names,
+                "eos_token_ids": list(target.info.eos_token_ids),
+                "max_context": target.info.max_context, "inputs": in_names, "outputs": out_names,
                 "opset": opset}
         (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir

@@ -31,10 +31,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..atomic import atomic_dir
 from ..drafter.model import DFlowDrafter
 from ..errors import UserError
 from ..targets.hf_target import HFTarget
-from .fp8 import _atomic_dir, _publish, drafter_fp8_state_dict
+from .fp8 import drafter_fp8_state_dict
 
 TRTLLM_DTYPE = torch.float16
 
@@ -60,15 +61,11 @@ def export_target_checkpoint(qtarget: HFTarget, out_dir: str | Path, tp_size: in
     for what, n in (("attention heads", c.num_attention_heads), ("KV heads", c.num_key_value_heads)):
         if n % tp_size:
             raise UserError(f"--tp-size {tp_size} does not divide the target's {n} {what}; pick a divisor of {n}")
-    out_dir = Path(out_dir)
-    tmp = _atomic_dir(out_dir)
-    try:
+    with atomic_dir(out_dir) as tmp:
         model = copy.deepcopy(qtarget.model)
         export_tensorrt_llm_checkpoint(model, decoder_type(model), TRTLLM_DTYPE, export_dir=tmp,
                                        inference_tensor_parallel=tp_size)
-        return _publish(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return Path(out_dir)
 
 
 CONFIG_KEYS = ("architecture", "dtype", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -205,15 +202,11 @@ def export_drafter_checkpoint(qdrafter: DFlowDrafter, out_dir: str | Path, tp_si
               "mapping": {"world_size": tp_size, "tp_size": tp_size, "pp_size": 1},
               "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]},
               "dflow": drafter_record(qdrafter), "drafter_config": c.to_dict()}
-    out_dir = Path(out_dir)
-    tmp = _atomic_dir(out_dir)
-    try:
+    with atomic_dir(out_dir) as tmp:
         for r in range(tp_size):
             save_file(shard_drafter(sd, tp_size, r), tmp / f"rank{r}.safetensors")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        return _publish(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return Path(out_dir)
 
 
 # ---------------------------------------------------------------- LLM API config and engines

@@ -206,7 +206,7 @@ class TargetService:
         return json.dumps({"name": i.name, "fingerprint": i.fingerprint, "vocab_size": i.vocab_size,
                            "hidden_size": i.hidden_size, "num_layers": i.num_layers,
                            "tap_layers": list(i.tap_layers), "eos_token_ids": list(i.eos_token_ids),
-                           "kv_sessions": True, "trees": bool(getattr(self.target, "supports_tree", False)),
+                           "max_context": i.max_context, "kv_sessions": True, "trees": bool(getattr(self.target, "supports_tree", False)),
                            "active_sessions": self.active_sessions}).encode()
 
     def _check_ids(self, ids: torch.Tensor) -> None:

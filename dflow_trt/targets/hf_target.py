@@ -85,7 +85,8 @@ class HFTarget:
         self.info = TargetInfo(
             name=name, fingerprint=target_fingerprint(model), vocab_size=model.config.vocab_size,
             hidden_size=model.config.hidden_size, num_layers=n, tap_layers=tuple(tap_layers),
-            eos_token_ids=tuple(eos_token_ids))
+            eos_token_ids=tuple(eos_token_ids),
+            max_context=getattr(model.config, "max_position_embeddings", None))
 
     @property
     def supports_tree(self) -> bool:

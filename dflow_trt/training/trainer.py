@@ -9,13 +9,15 @@ Under `torchrun` each process trains on its own shard of sequences and DDP avera
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 import random
 import time
+import warnings
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -23,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
+from ..atomic import claim_dir, write_bytes
 from ..drafter.defaults import untrained_config
 from ..drafter.io import build_drafter, load_drafter, save_drafter
 from ..drafter.model import DFlowDrafter
@@ -63,7 +66,35 @@ class TrainConfig:
     states: str = "auto"  # auto: read <data_dir>/states when it fits this run (`dflow-trt cache-states`); off
     init_from: str = ""  # a saved drafter to fine-tune (or a DFlash one to start a DFlow run): its weights and log; steps count on from its last step
 
+    # each number's range, (least, most, least excluded): checked for flags and --config files alike,
+    # before any work (a zero gamma or a NaN learning rate would train NaN weights; 0 steps, none)
+    RANGES = {"steps": (1, None), "seqs_per_step": (1, None), "anchors_per_seq": (1, None),
+              "flow_anchors_per_seq": (0, None), "block_size": (2, None), "gamma": (0, None, True),
+              "num_layers": (1, None), "num_taps": (1, None), "draft_vocab_size": (1, None), "max_len": (2, None),
+              "lr": (0, 1, True), "flow_lr_mult": (0, None, True), "warmup_frac": (0, 1), "weight_decay": (0, 1),
+              "grad_clip": (0, None, True), "eval_every": (1, None), "eval_seqs": (1, None), "ckpt_every": (1, None),
+              "seed": (0, 2**32 - 1), "threads": (0, None)}
+
+    def _check_types_and_ranges(self) -> None:
+        for f in fields(self):
+            v, kind = getattr(self, f.name), f.type.split(" ")[0]  # "int", "float" or "str" (| None)
+            if v is None and f.type.endswith("None"):
+                continue
+            lo, hi, *lo_open = self.RANGES.get(f.name, (None, None))
+            want = {"str": "a string", "int": "an integer", "float": "a finite number"}[kind]
+            want += "" if lo is None else f" in {'(' if lo_open else '['}{lo}, {hi}]" if hi is not None \
+                else f" {'>' if lo_open else '>='} {lo}"
+            if kind == "str":
+                ok = isinstance(v, str)
+            else:
+                ok = not isinstance(v, bool) and isinstance(v, int if kind == "int" else (int, float)) \
+                    and (kind == "int" or math.isfinite(v)) and (lo is None or (v > lo if lo_open else v >= lo)) \
+                    and (hi is None or v <= hi)
+            if not ok:
+                raise UserError(f"--{f.name.replace('_', '-')} must be {want}, got {v!r}")
+
     def __post_init__(self):
+        self._check_types_and_ranges()
         if self.objective not in ("dflash", "dflow"):
             raise UserError(f"unknown objective {self.objective!r}; use dflash or dflow")
         if self.states not in ("auto", "off"):
@@ -248,17 +279,29 @@ def _gather_states(rng_state, gen_state, distributed: bool, world: int) -> list:
 
 
 def _save_ckpt(path: Path, payload: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    write_bytes(path, buf.getvalue())
+
+
+CKPT_KEYS = {"config", "world", "step", "log", "drafter", "optimizer", "rng", "gen"}
 
 
 def _load_ckpt(path: Path) -> dict:
+    """The resume state, unpickled without running code: `weights_only=True` admits tensors and plain
+    containers only, so a planted `checkpoint.pt` carrying code is refused before any of it runs."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001 - any unreadable file is the same user problem
-        raise UserError(f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}); "
-                        f"delete it to start over or restore it from a backup") from None
+        with warnings.catch_warnings():  # torch warns about foreign pickles before refusing them: one line is enough
+            warnings.simplefilter("ignore")
+            ck = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any file torch will not read safely is the same user problem
+        raise UserError(f"checkpoint {path} is not a readable dflow_trt checkpoint ({type(e).__name__}: it is "
+                        f"corrupt, or holds objects other than tensors and plain data); delete it to start "
+                        f"over or restore it from a backup") from None
+    if not isinstance(ck, dict) or not CKPT_KEYS <= ck.keys():
+        raise UserError(f"checkpoint {path} lacks the training state dflow_trt writes (want {sorted(CKPT_KEYS)}); "
+                        f"delete it to start over or use another --out-dir")
+    return ck
 
 
 @torch.no_grad()
@@ -297,9 +340,9 @@ def train(cfg: TrainConfig) -> Path:
         torch.set_default_device(device)  # the objective's index tensors live next to the target
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = claim_dir(cfg.out_dir, "training run", own=("checkpoint.pt", "drafter"))
     ckpt_path = out / "checkpoint.pt"
+    ck = _load_ckpt(ckpt_path) if ckpt_path.exists() else None  # refused (no code run) before any work
 
     probe = load_target(cfg.target, num_taps=cfg.num_taps, device=device)
     train_seqs, heldout = (_fits(x, cfg.max_len) for x in load_dataset(Path(cfg.data_dir), probe))
@@ -312,7 +355,7 @@ def train(cfg: TrainConfig) -> Path:
     dcfg = type(dcfg)(**{**dcfg.__dict__, "draft_vocab_size": cfg.draft_vocab_size,
                          "extra": {"name": f"{cfg.target}-{cfg.objective}", "objective": cfg.objective}})
     drafter = build_drafter(probe, dcfg, seed=cfg.seed)
-    ck = _load_ckpt(ckpt_path) if ckpt_path.exists() else None
+    out.mkdir(parents=True, exist_ok=True)
     step, log, base = 0, [], 0
     if ck is not None:
         if _run_identity(ck["config"]) != _run_identity(asdict(cfg)) or ck.get("world") != world:

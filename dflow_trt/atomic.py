@@ -1,0 +1,96 @@
+"""Atomic artefact writes and the rule that nothing but our own output is ever deleted.
+
+Every artefact (a folder or a file) is written under a temporary sibling named
+`.<name>.dflow-tmp-<random>` and renamed into place, so a reader never sees half of one. A
+temporary left by an interrupted run is removed only when the same artefact is written again,
+and only if it carries that exact name: nothing else under an output folder is touched.
+An output folder is taken over only when it is new, empty, or already holds this kind of run's
+own files (`claim_dir`), checked before any work starts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from .errors import UserError
+
+TMP_MARK = ".dflow-tmp-"
+
+
+def _sweep(dest: Path) -> None:
+    """Remove temporaries an interrupted earlier write of `dest` left beside it (ours by name)."""
+    for stale in dest.parent.glob(f".{dest.name}{TMP_MARK}*"):
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+
+
+@contextmanager
+def atomic_dir(dest: str | Path) -> Iterator[Path]:
+    """Yield an empty temporary folder; on success it replaces `dest` whole, on error it is removed."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    _sweep(dest)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARK}", dir=dest.parent))
+    try:
+        yield tmp
+        if dest.is_dir() and not dest.is_symlink():
+            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARK}", dir=dest.parent))
+            os.replace(dest, old / dest.name)  # out of the way first, so dest is never half-replaced
+            os.replace(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """Write a text file atomically (temporary sibling, then rename)."""
+    return write_bytes(path, text.encode())
+
+
+def write_bytes(path: str | Path, data: bytes) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _sweep(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return path
+
+
+def claim_dir(path: str | Path, what: str, own: tuple[str, ...]) -> Path:
+    """Check, before any work, that `path` may hold a `what`: it is new, empty, or already holds one
+    of the entries `own` that only such a run writes. A folder of other files is refused, so a
+    command never overwrites or deletes what it did not write. Also checks it can be written."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{path} is a file, not a folder; pass a folder for the {what}")
+    if path.is_dir():
+        entries = {p.name for p in path.iterdir()}
+        if entries and not entries & set(own):
+            raise UserError(f"{path} holds files that are not a {what} ({', '.join(sorted(entries)[:3])}"
+                            f"{', ...' if len(entries) > 3 else ''}); pass a new or empty folder")
+    check_writable(path, what)
+    return path
+
+
+def check_writable(path: str | Path, what: str) -> None:
+    """Refuse an output path that cannot be written, before the work that would fill it."""
+    path = Path(path)
+    probe = path if path.is_dir() else next((p for p in path.parents if p.exists()), Path("."))
+    if probe.exists() and not probe.is_dir():
+        raise UserError(f"cannot write the {what} at {path}: {probe} is a file; pass another path")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write the {what} at {path}: {probe} is not writable; pass another path")
