@@ -136,7 +136,7 @@ def test_bls_tree_verify_equals_a_local_one(tiny_server):
             raise UserError(str(e)) from None
         return {n: r.as_numpy(n) for n in names}
 
-    rt = RemoteTarget(remote)
+    rt = RemoteTarget(remote, session_key=tiny_server.session_key)
     assert rt.supports_tree
     local, _ = load_backends("tiny-qwen3", None, "ar", "torch", None, None, log=lambda m: None)
     import torch

@@ -102,7 +102,7 @@ def generate_grpc(url: str, model: str = "dflow", on_tokens=None, timeout_s: flo
     c = client or grpcclient.InferenceServerClient(url)
     q: queue.Queue = queue.Queue()
     c.start_stream(callback=lambda result, error: q.put((result, error)))
-    res, t0 = ClientResult(), time.perf_counter()
+    res, t0, done = ClientResult(), time.perf_counter(), False
     try:
         c.async_stream_infer(model, _inputs(grpcclient, request_arrays(**request)))
         while True:
@@ -111,11 +111,15 @@ def generate_grpc(url: str, model: str = "dflow", on_tokens=None, timeout_s: flo
             except queue.Empty:
                 raise UserError(f"no final response from {model} within {timeout_s:.0f} s") from None
             if error is not None:
+                done = True  # an error response is the request's last
                 raise UserError(f"server error: {error.message() if hasattr(error, 'message') else error}")
             if _absorb(res, result, t0, on_tokens):
+                done = True
                 return res
     finally:
-        c.stop_stream()
+        # left early (Ctrl-C, a timeout, a callback's exception): cancel the request on the server,
+        # which stops it at its next round, instead of waiting for it to run to max_tokens
+        c.stop_stream(cancel_requests=not done)
         if client is None:
             c.close()
 
@@ -159,7 +163,10 @@ class _Event:
 
 
 def generate_http(url: str, model: str = "dflow", on_tokens=None, timeout_s: float = 600, **request) -> ClientResult:
-    """Stream one request over HTTP (generate_stream); raise UserError with the server's message."""
+    """Stream one request over HTTP (generate_stream); raise UserError with the server's message.
+
+    Leaving early closes the connection, but Triton 2.51's HTTP front end does not cancel on a
+    closed connection: the request runs to its max_tokens (gRPC cancels; README, "Serving")."""
     import urllib.error
     import urllib.request
 

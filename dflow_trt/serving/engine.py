@@ -20,7 +20,8 @@ import torch
 from ..decoding.loop import RoundEvent, generate
 from ..decoding.sampling import SamplingParams
 from ..errors import UserError
-from .requests import DecodeRequest, Limits, RequestError
+from .lifecycle import session_key, stopping
+from .requests import Busy, DecodeRequest, Limits, RequestError
 
 BACKENDS = ("torch", "onnxruntime", "tensorrt_llm")
 ORCHESTRATIONS = ("inprocess", "bls")
@@ -211,7 +212,7 @@ class DecodingEngine:
     def _load_bls(self, remote):
         from .bls import RemoteDrafter, RemoteTarget
 
-        target = RemoteTarget(remote)
+        target = RemoteTarget(remote, session_key=session_key())
         if target.info.name != self.cfg.target:
             raise UserError(f"the `target` model serves {target.info.name!r}, this model is configured for "
                             f"{self.cfg.target!r}; make the two models' `target` parameters agree")
@@ -261,7 +262,12 @@ class DecodingEngine:
 
     def run(self, req: DecodeRequest, emit: Callable[[Chunk], None],
             cancelled: Callable[[], bool] = lambda: False) -> dict:
-        """Decode one request; emit a Chunk per round and a final one with the statistics."""
+        """Decode one request; emit a Chunk per round and a final one with the statistics.
+
+        Stops at the next round boundary when `cancelled()` (the client went) or when the server
+        is stopping (finish_reason "shutdown"; no final chunk then, the caller answers)."""
+        if stopping():
+            raise Busy("the server is shutting down; send the request to another server")
         self._ensure_loaded()
         if req.mode not in self.modes:
             raise RequestError(f"mode {req.mode!r} is not served by this model (served: {', '.join(self.modes)})")
@@ -274,7 +280,7 @@ class DecodingEngine:
                                f"when it loads); omit block_size or send {loaded.block_size}")
         rid = next(self._ids)
         tokens: list[int] = []  # committed so far (after any stop-word cut)
-        sent = {"n": 0, "text": "", "stopped": None, "cancelled": False}
+        sent = {"n": 0, "text": "", "stopped": None, "cancelled": None}
 
         def on_round(ev: RoundEvent) -> bool:
             new = ev.new_tokens[0]
@@ -295,7 +301,10 @@ class DecodingEngine:
             if sent["stopped"] is not None:
                 return True
             if cancelled():
-                sent["cancelled"] = True
+                sent["cancelled"] = "cancelled"
+                return True
+            if stopping():
+                sent["cancelled"] = "shutdown"
                 return True
             return False
 
@@ -314,7 +323,7 @@ class DecodingEngine:
             finally:
                 with self._lock:
                     self._active.pop(rid, None)
-        reason = "cancelled" if sent["cancelled"] else (sent["stopped"] or res.finish_reasons[0])
+        reason = sent["cancelled"] or sent["stopped"] or res.finish_reasons[0]
         acc = res.acceptance_lengths[0]
         stats = {"mode": req.mode, "num_tokens": len(tokens), "tau": res.tau, "acceptance_lengths": acc,
                  "rounds": res.rounds, "verified_drafts": res.verified_drafts, "hints_taken": res.hints_taken,
@@ -325,8 +334,8 @@ class DecodingEngine:
                  "block_size": drafter.block_size if drafter else loaded.block_size, "prompt_tokens": len(prompt_ids),
                  "active_requests": self.active_requests, "backend": self.cfg.backend,
                  "orchestration": self.cfg.orchestration}
-        if reason == "cancelled":
-            self.log(f"request {rid} cancelled after {res.rounds} rounds; its state is freed")
+        if reason in ("cancelled", "shutdown"):
+            self.log(f"request {rid} cancelled after {res.rounds} rounds ({reason}); its state is freed")
         else:
             full = self._decode(tokens)
             rest = full[len(sent["text"]):] if full.startswith(sent["text"]) else ""

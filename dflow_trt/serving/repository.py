@@ -40,9 +40,11 @@ _TARGET_IO = """input [
   { name: "input_ids", data_type: TYPE_INT64, dims: [ -1, -1 ], optional: true },
   { name: "prompt_lens", data_type: TYPE_INT64, dims: [ -1 ], optional: true },
   { name: "num_last", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
+  { name: "num_logits", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
   { name: "info_only", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
   { name: "op", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "session_id", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
+  { name: "session_key", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
   { name: "num_kept", data_type: TYPE_INT64, dims: [ -1 ], optional: true },
   { name: "parents", data_type: TYPE_INT64, dims: [ -1 ], optional: true },
   { name: "path", data_type: TYPE_INT64, dims: [ -1, -1 ], optional: true }
@@ -84,8 +86,10 @@ DEFAULTS: dict[str, dict[str, str]] = {
               "dflow_drafter": "", "orchestration": "inprocess", "max_tokens": "1024", "max_concurrency": "8",
               "threads": "0"},
     "dflow_bls": {"target": "smollm2-135m", "orchestration": "bls", "max_tokens": "1024", "max_concurrency": "8"},
-    "target": {"target": "smollm2-135m", "backend": "torch", "build_dir": "", "drafter": "", "threads": "0"},
-    "drafter": {"target": "smollm2-135m", "dflash_drafter": "", "dflow_drafter": "", "threads": "0"},
+    "target": {"target": "smollm2-135m", "backend": "torch", "build_dir": "", "drafter": "", "threads": "0",
+               "max_sessions": "64", "session_idle_s": "30", "max_response_mb": "64"},
+    "drafter": {"target": "smollm2-135m", "dflash_drafter": "", "dflow_drafter": "", "threads": "0",
+                "max_response_mb": "64"},
 }
 _IO = {"dflow": _DFLOW_IO, "dflow_bls": _DFLOW_IO, "target": _TARGET_IO, "drafter": _DRAFTER_IO}
 _ABOUT = {

@@ -20,10 +20,34 @@ class RequestError(UserError):
     """A request the server refuses; the message names the bad input and what is accepted."""
 
 
+class Busy(UserError):
+    """A well-formed request the server cannot take now (a budget is spent); retry later.
+    Its message contains BUSY_WORDS, which is how a BLS caller tells it apart."""
+
+
+BUSY_WORDS = "are busy"
+
+
+MAX_BLOCK = 64  # drafts + anchor per round
+
+
 @dataclass(frozen=True)
 class Limits:
     max_tokens: int = 1024  # per request
     max_prompt_tokens: int = 4096
+    max_prompt_bytes: int = 64 * 1024  # text_input, UTF-8
+    max_stop_words: int = 16
+    max_stop_word_bytes: int = 256
+    max_request_bytes: int = 256 * 1024  # every input together
+
+
+def request_bytes(inputs: dict[str, np.ndarray]) -> int:
+    """What the client sent: tensor bytes, string elements by their length."""
+    n = 0
+    for a in inputs.values():
+        a = np.asarray(a)
+        n += sum(len(x) if isinstance(x, (bytes, str)) else 8 for x in a.reshape(-1)) if a.dtype == object else a.nbytes
+    return n
 
 
 @dataclass
@@ -57,8 +81,36 @@ def _scalar(inputs: dict[str, np.ndarray], name: str, kind, default=None):
     return kind(v)
 
 
+def _strings(a) -> list[bytes]:
+    return [x if isinstance(x, bytes) else str(x).encode() for x in np.asarray(a).reshape(-1)]
+
+
+def _check_sizes(inputs: dict[str, np.ndarray], limits: Limits) -> None:
+    """Sizes first, before anything is converted or decoded."""
+    n = request_bytes(inputs)
+    if n > limits.max_request_bytes:
+        raise RequestError(f"request is {n} bytes, more than the limit {limits.max_request_bytes}; send a shorter "
+                           "prompt or fewer stop words")
+    if "text_input" in inputs:
+        size = sum(map(len, _strings(inputs["text_input"])))
+        if size > limits.max_prompt_bytes:
+            raise RequestError(f"text_input is {size} bytes, more than the limit {limits.max_prompt_bytes}; "
+                               "send a shorter prompt")
+    if "input_ids" in inputs and np.asarray(inputs["input_ids"]).size > limits.max_prompt_tokens:
+        raise RequestError(f"prompt has {np.asarray(inputs['input_ids']).size} tokens, more than the limit "
+                           f"{limits.max_prompt_tokens}; send a shorter prompt")
+    if "stop_words" in inputs:
+        words = _strings(inputs["stop_words"])
+        if len(words) > limits.max_stop_words:
+            raise RequestError(f"{len(words)} stop_words, more than the limit {limits.max_stop_words}")
+        long = [w for w in words if len(w) > limits.max_stop_word_bytes]
+        if long:
+            raise RequestError(f"a stop word is {len(long[0])} bytes, more than the limit {limits.max_stop_word_bytes}")
+
+
 def parse_request(inputs: dict[str, np.ndarray], limits: Limits = Limits()) -> DecodeRequest:
     """Validate and convert; raise RequestError naming the first bad input."""
+    _check_sizes(inputs, limits)
     prompt = _scalar(inputs, "text_input", str)
     ids = inputs.get("input_ids")
     input_ids = [int(x) for x in np.asarray(ids).reshape(-1)] if ids is not None else None
@@ -66,8 +118,6 @@ def parse_request(inputs: dict[str, np.ndarray], limits: Limits = Limits()) -> D
         input_ids = None
     if not prompt and not input_ids:
         raise RequestError("empty prompt: send a non-empty `text_input` or `input_ids`")
-    if input_ids is not None and len(input_ids) > limits.max_prompt_tokens:
-        raise RequestError(f"prompt has {len(input_ids)} tokens, more than the limit {limits.max_prompt_tokens}")
     if "max_tokens" not in inputs:
         raise RequestError("missing `max_tokens`: send how many tokens to generate (INT32)")
     max_tokens = _scalar(inputs, "max_tokens", int)
@@ -77,8 +127,9 @@ def parse_request(inputs: dict[str, np.ndarray], limits: Limits = Limits()) -> D
     if mode not in MODES:
         raise RequestError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
     block = _scalar(inputs, "block_size", int, 0)
-    if block != 0 and block < 2:
-        raise RequestError(f"block_size must be at least 2 (anchor + one draft), or 0 for the drafter's own; got {block}")
+    if block != 0 and not 2 <= block <= MAX_BLOCK:
+        raise RequestError(f"block_size must be in 2..{MAX_BLOCK} (anchor + drafts), or 0 for the drafter's own; "
+                           f"got {block}")
     seed = _scalar(inputs, "seed", int, None)
     verify_threshold = _scalar(inputs, "verify_threshold", float, 0.0)
     if not 0.0 <= verify_threshold < 1.0:
@@ -100,7 +151,7 @@ def parse_request(inputs: dict[str, np.ndarray], limits: Limits = Limits()) -> D
                         hint_trust=hint_trust, alternatives=alternatives)
     from ..decoding.sampling import SamplingParams
 
-    try:
+    try:  # the CLI's own checks: finite, in range (a NaN or denormal temperature is refused here)
         SamplingParams(req.temperature, req.top_p, req.top_k, req.seed)
     except UserError as e:
         raise RequestError(str(e)) from None

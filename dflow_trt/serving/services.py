@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import UserError
-from .bls import DrafterService, TargetService
+from .lifecycle import session_key
+from .sessions import DrafterService, ServiceLimits, TargetService
 
-TARGET_PARAMS = ("target", "backend", "build_dir", "drafter", "threads")
-DRAFTER_PARAMS = ("target", "dflash_drafter", "dflow_drafter", "threads")
+TARGET_PARAMS = ("target", "backend", "build_dir", "drafter", "threads", "max_sessions", "session_idle_s",
+                 "max_response_mb")
+DRAFTER_PARAMS = ("target", "dflash_drafter", "dflow_drafter", "threads", "max_response_mb")
 
 
 def _check(params: dict[str, str], known: tuple[str, ...], model: str) -> None:
@@ -20,6 +22,30 @@ def _check(params: dict[str, str], known: tuple[str, ...], model: str) -> None:
         import torch
 
         torch.set_num_threads(int(params["threads"]))
+
+
+def _number(params: dict[str, str], name: str, default: float, model: str) -> float:
+    try:
+        v = float(params.get(name) or default)
+    except ValueError:
+        raise UserError(f"{model}: parameter {name} must be a number, got {params[name]!r}") from None
+    if not v > 0:
+        raise UserError(f"{model}: parameter {name} must be > 0, got {v}")
+    return v
+
+
+def _limits(params: dict[str, str], model: str) -> ServiceLimits:
+    return ServiceLimits(max_response_bytes=int(_number(params, "max_response_mb", 64, model) * 2**20))
+
+
+def _target_service(target, params: dict[str, str], log: Callable[[str], None]) -> TargetService:
+    key = session_key()
+    if key is None:
+        log("target: warning: DFLOW_TRT_SESSION_KEY is not set, so any client may open KV sessions "
+            "(only the budget and the idle timeout bound them); start with scripts/serve.py or set it")
+    return TargetService(target, max_sessions=int(_number(params, "max_sessions", 64, "target")),
+                         idle_s=_number(params, "session_idle_s", 30, "target"), session_key=key,
+                         limits=_limits(params, "target"))
 
 
 def resolve_path(p: str, repo: Path | None) -> str | None:
@@ -42,14 +68,14 @@ def load_target_service(params: dict[str, str], repo: Path, log: Callable[[str],
             raise UserError("target: backend=onnxruntime needs parameter build_dir (scripts/build_engines.py output)")
         if read_manifest(bdir)["target"]["name"] != spec:
             raise UserError(f"target: build_dir {bdir} was not built for target {spec!r}; fix `target` or rebuild")
-        return TargetService(OrtTarget(Path(bdir) / "onnx" / "target"))
+        return _target_service(OrtTarget(Path(bdir) / "onnx" / "target"), params, log)
     if backend != "torch":
         raise UserError(f"target: backend={backend!r}; use torch or onnxruntime (tensorrt_llm: GPU hosts, see README)")
     from ..drafter.defaults import load_target_and_drafter
 
     target, _ = load_target_and_drafter(spec, resolve_path(params.get("drafter", ""), repo), "dflow", warn=log)
     log(f"target model ready: {spec} taps {list(target.info.tap_layers)}")
-    return TargetService(target)
+    return _target_service(target, params, log)
 
 
 def load_drafter_service(params: dict[str, str], repo: Path, log: Callable[[str], None] = print) -> DrafterService:
@@ -61,4 +87,4 @@ def load_drafter_service(params: dict[str, str], repo: Path, log: Callable[[str]
         base, models[mode] = load_target_and_drafter(spec, resolve_path(params.get(f"{mode}_drafter", ""), repo), mode,
                                                      warn=log, target=base)
     log(f"drafter model ready: {spec} modes {sorted(models)}")
-    return DrafterService(models)
+    return DrafterService(models, _limits(params, "drafter"))

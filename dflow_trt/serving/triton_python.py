@@ -2,12 +2,16 @@
 
 `triton_repo/<model>/1/model.py` re-exports these classes as `TritonPythonModel`. Requests are
 turned into `{input name: ndarray}`, and engine chunks into responses; nothing else lives here.
+Errors go back as one line: a bad request as INVALID_ARG (HTTP 400), a spent budget or a server
+that is stopping as UNAVAILABLE, anything else as "internal error" with its traceback in the
+server log only (never a traceback or a file path to the client).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -15,6 +19,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..errors import UserError
+from .lifecycle import stopping
+from .requests import BUSY_WORDS, Busy
 
 DFLOW_INPUTS = ("text_input", "input_ids", "max_tokens", "mode", "temperature", "top_p", "top_k", "seed",
                 "stop_words", "block_size", "chat", "verify_threshold", "hint_trust",
@@ -60,12 +66,29 @@ def _bls(model: str, inputs: dict, outputs: list[str]) -> dict:
     tensors = [pb_utils.Tensor(k, v) for k, v in inputs.items()]
     resp = pb_utils.InferenceRequest(model_name=model, inputs=tensors, requested_output_names=outputs).exec()
     if resp.has_error():
-        raise UserError(f"BLS call to {model!r} failed: {resp.error().message()}")
+        msg = resp.error().message()
+        # a spent budget, not a bad request; a BLS response's error code always reads INTERNAL, so
+        # the target's Busy is told by its wording
+        raise (Busy if BUSY_WORDS in msg else UserError)(f"BLS call to {model!r} failed: {msg}")
     return {n: pb_utils.get_output_tensor_by_name(resp, n).as_numpy() for n in outputs}
 
 
-def _error(msg: str):
-    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(msg))
+def _error(msg: str, code: str = "INVALID_ARG"):
+    msg = " ".join(str(msg).split())  # one line
+    err = pb_utils.TritonError(msg, getattr(pb_utils.TritonError, code))
+    return pb_utils.InferenceResponse(output_tensors=[], error=err)
+
+
+def _failure(model: str, e: Exception):
+    """The error response for any exception: named for the client, the traceback in the log only."""
+    if stopping():  # e.g. a BLS call refused because the server stopped taking requests mid-round
+        return _error(f"{model}: the server is shutting down; the request was cancelled", "UNAVAILABLE")
+    if isinstance(e, Busy):
+        return _error(f"{model}: {e}", "UNAVAILABLE")
+    if isinstance(e, UserError):
+        return _error(f"{model}: {e}")
+    log.log_error(f"{model}: request failed: {traceback.format_exc()}")
+    return _error(f"{model}: internal error ({type(e).__name__}); the server log has the details", "INTERNAL")
 
 
 class DFlowModel:
@@ -75,6 +98,7 @@ class DFlowModel:
         from .engine import DecodingEngine, ServeConfig
 
         params, repo = _parameters(args)
+        self.name = args["model_name"]
         try:
             self.engine = DecodingEngine(ServeConfig.from_parameters(params, repo), log=log.log_info, remote=_bls)
         except UserError as e:
@@ -96,11 +120,11 @@ class DFlowModel:
             stats = self.engine.run(req, emit, cancelled)
             if stats["finish_reason"] == "cancelled":
                 sender.send(flags=FINAL)
-        except UserError as e:
-            sender.send(_error(str(e)), flags=FINAL)
-        except Exception as e:  # a bug must not take the server down: answer and log it
-            log.log_error(f"dflow: request failed: {traceback.format_exc()}")
-            sender.send(_error(f"internal error: {e}"), flags=FINAL)
+            elif stats["finish_reason"] == "shutdown":
+                sender.send(_error(f"{self.name}: the server is shutting down; the request was cancelled after "
+                                   f"{stats['num_tokens']} tokens", "UNAVAILABLE"), flags=FINAL)
+        except Exception as e:  # noqa: BLE001 - a bug must not take the server down: answer and log it
+            sender.send(_failure(self.name, e), flags=FINAL)
         finally:
             self.threads.discard(threading.current_thread())
 
@@ -112,8 +136,11 @@ class DFlowModel:
         return None
 
     def finalize(self):
+        # running requests were cancelled (client gone or the server stopping: lifecycle.stopping);
+        # give their threads a moment to answer, never block the unload for long (they are daemons)
+        deadline = time.monotonic() + 3
         for t in list(self.threads):
-            t.join(timeout=30)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 class _StatelessModel:
@@ -129,31 +156,35 @@ class _StatelessModel:
 
     def initialize(self, args):
         params, repo = _parameters(args)
+        self.name = args["model_name"]
         try:
             self.service = self.load(params, repo)
         except UserError as e:
             _fail_load(args["model_name"], e)
 
+    def _answer(self, request):
+        x = _inputs(request, self.NAMES)
+        try:
+            if "info_only" in x and bool(x["info_only"].reshape(-1)[0]):
+                out = {"info": np.array([self.service.info_json()], dtype=object)}
+            else:
+                out = self.compute(x)
+            self.service.check_response(out)
+        except KeyError as e:
+            return _error(f"{self.name}: bad request: missing input {e}")
+        except Exception as e:  # noqa: BLE001 - named for the client, logged for the operator
+            return _failure(self.name, e)
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in out.items()])
+
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            x = _inputs(request, self.NAMES)
-            try:
-                if "info_only" in x and bool(x["info_only"].reshape(-1)[0]):
-                    out = {"info": np.array([self.service.info_json()], dtype=object)}
-                else:
-                    out = self.compute(x)
-                responses.append(pb_utils.InferenceResponse(
-                    output_tensors=[pb_utils.Tensor(k, v) for k, v in out.items()]))
-            except (UserError, KeyError) as e:
-                responses.append(_error(f"{type(self).__name__}: bad request: {e}"))
-        return responses
+        return [self._answer(r) for r in requests]
 
 
 class TargetModel(_StatelessModel):
     """Target: logits and tap hidden states, statelessly or in KV sessions (`op`, `session_id`)."""
 
-    NAMES = ("input_ids", "prompt_lens", "num_last", "info_only", "op", "session_id", "num_kept", "parents", "path")
+    NAMES = ("input_ids", "prompt_lens", "num_last", "num_logits", "info_only", "op", "session_id", "session_key",
+             "num_kept", "parents", "path")
 
     def load(self, params, repo):
         from .services import load_target_service
@@ -162,13 +193,8 @@ class TargetModel(_StatelessModel):
 
     def compute(self, x):
         if "op" in x:
-            op, sid = (bytes(x[k].reshape(-1)[0]).decode() for k in ("op", "session_id"))
-            return self.service.session(op, sid, x)
-        missing = [n for n in ("input_ids", "prompt_lens", "num_last") if n not in x]
-        if missing:
-            raise UserError(f"missing inputs {missing}")
-        logits, hidden = self.service.forward(x["input_ids"], x["prompt_lens"], int(x["num_last"].reshape(-1)[0]))
-        return {"logits": logits, "hidden_states": hidden}
+            return self.service.session_request(x)
+        return self.service.forward_request(x)
 
 
 class DrafterModel(_StatelessModel):
