@@ -75,22 +75,28 @@ def claim_dir(path: str | Path, what: str, own: tuple[str, ...]) -> Path:
     of the entries `own` that only such a run writes. A folder of other files is refused, so a
     command never overwrites or deletes what it did not write. Also checks it can be written."""
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise UserError(f"{path} is a file, not a folder; pass a folder for the {what}")
+    check_writable(path, what)
     if path.is_dir():
         entries = {p.name for p in path.iterdir()}
         if entries and not entries & set(own):
             raise UserError(f"{path} holds files that are not a {what} ({', '.join(sorted(entries)[:3])}"
                             f"{', ...' if len(entries) > 3 else ''}); pass a new or empty folder")
-    check_writable(path, what)
     return path
 
 
-def check_writable(path: str | Path, what: str) -> None:
-    """Refuse an output path that cannot be written, before the work that would fill it."""
+def check_writable(path: str | Path, what: str, folder: bool = True) -> None:
+    """Refuse an output path that cannot be written, before the work that would fill it. A nameless
+    temporary file is created where the output will go (os.access lets root "write" even to /proc),
+    so nothing is left behind. `folder`: the output is a folder (else a file at `path`)."""
     path = Path(path)
-    probe = path if path.is_dir() else next((p for p in path.parents if p.exists()), Path("."))
-    if probe.exists() and not probe.is_dir():
-        raise UserError(f"cannot write the {what} at {path}: {probe} is a file; pass another path")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UserError(f"cannot write the {what} at {path}: {probe} is not writable; pass another path")
+    if path.exists() and path.is_dir() != folder:
+        raise UserError(f"the {what} {path} is a {'file' if folder else 'folder'}; pass a "
+                        f"{'folder' if folder else 'file path'}")
+    where = next((q for q in ((path, *path.parents) if folder else path.parents) if q.exists()), Path("."))
+    if not where.is_dir():
+        raise UserError(f"cannot write the {what} at {path}: {where} is a file; pass another path")
+    try:
+        tempfile.TemporaryFile(dir=where).close()
+    except OSError as e:
+        raise UserError(f"cannot write the {what} at {path}: {where} takes no new files ({e.strerror}); "
+                        f"pass another path") from None

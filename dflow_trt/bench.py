@@ -23,7 +23,7 @@ from .drafter.defaults import load_target_and_drafter
 from .drafter.runtime import TorchDrafter
 from .errors import UserError
 from .evalsets import load_prompts
-from .prompting import encode_prompt
+from .prompting import encode_prompts
 
 MODES = ("ar", "dflash", "dflow")
 
@@ -88,6 +88,9 @@ def run_modes(target_name: str, drafters: dict[str, str | None], modes: list[str
     for m in modes:
         t, model = load_target_and_drafter(target_name, drafters.get(m), m, warn=warn, target=target)
         drafter = TorchDrafter(model, block_size) if model is not None else None
+        if m == "dflow" and not drafter.uses_flow:  # refused before any prompt is decoded
+            raise UserError(f"the dflow drafter {drafters.get(m)} was built without flow conditioning; "
+                            f"pass a DFlow drafter (--dflow-drafter) or drop dflow from --modes")
         loaded[m] = (t, drafter)
         name = "-" if model is None else model.config.extra.get("name", Path(drafters.get(m) or "untrained").name)
         runs[m] = ModeRun([], [], 0.0, name, drafter.block_size if drafter else 1)
@@ -202,16 +205,20 @@ def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], da
         raise UserError(f"--first-prompt must be >= 0, got {first_prompt}")
     if "ar" not in modes:
         modes = ["ar", *modes]  # speedup and the lossless check are both measured against ar
-    loaded, _ = load_target_and_drafter(target, None, "ar")
-    per_dataset: dict[str, dict[str, ModeRun]] = {}
+    texts = {}  # every data set's prompts, read and checked before the target loads
     for ds in datasets:
         every = load_prompts(ds)
-        texts = every[first_prompt:first_prompt + num_prompts]
-        if not texts:
+        texts[ds] = every[first_prompt:first_prompt + num_prompts]
+        if not texts[ds]:
             raise UserError(f"{ds} has {len(every)} prompts; --first-prompt {first_prompt} leaves none to bench")
-        ids = [encode_prompt(loaded.tokenizer, t, chat) for t in texts]
+    loaded, _ = load_target_and_drafter(target, None, "ar")
+    ids = {ds: encode_prompts(loaded, t, chat, max_new_tokens,
+                              [f"prompt {first_prompt + i + 1} of {ds}" for i in range(len(t))])
+           for ds, t in texts.items()}  # every prompt fits the context before the first is decoded
+    per_dataset: dict[str, dict[str, ModeRun]] = {}
+    for ds in datasets:
         name = Path(ds).stem if ds.endswith(".jsonl") else ds
-        per_dataset[name] = run_modes(target, drafters, modes, ids, max_new_tokens, block_size,
+        per_dataset[name] = run_modes(target, drafters, modes, ids[ds], max_new_tokens, block_size,
                                       warn=lambda s: console.print(f"[yellow]{s}"), target=loaded,
                                       verify_threshold=verify_threshold, hint_trust=hint_trust, desc=name,
                                       alternatives=alternatives)

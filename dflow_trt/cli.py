@@ -4,27 +4,80 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import signal
 import sys
+import threading
+from pathlib import Path
 
 from .errors import UserError
 
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's range, as decoding.sampling's (not imported: it loads torch)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose refusals end like every other one: a single `error: ...` line, exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
+def number(kind: type = int, lo: float | None = None, hi: float | None = None,
+           lo_open: bool = False, hi_open: bool = False):
+    """An argparse `type=`: a finite int or float within lo..hi (an open end excludes the bound)."""
+    what = "an integer" if kind is int else "a finite number"
+    if lo is not None and hi is not None:
+        what += f" in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    elif lo is not None:
+        what += f" {'>' if lo_open else '>='} {lo}"
+
+    def parse(text: str):
+        try:
+            x = kind(text)
+            ok = (kind is int or math.isfinite(x)) and (lo is None or (x > lo if lo_open else x >= lo)) \
+                and (hi is None or (x < hi if hi_open else x <= hi))
+        except ValueError:
+            ok = False
+        if not ok:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return x
+
+    return parse
+
+
+COUNT = number(int, 1)  # sizes and counts
+START = number(int, 0)  # offsets
+BLOCK = number(int, 2)  # anchor + at least one draft
+SEED = number(int, 0, MAX_SEED)
+
+
+def check_output(path: str | None, what: str, folder: bool = False) -> None:
+    """Refuse an output path that cannot be written, before the work that would fill it."""
+    from .atomic import check_writable
+
+    if path is not None:
+        check_writable(path, what, folder)
+
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    from .decoding.sampling import MAX_TEMPERATURE, MIN_TEMPERATURE
+
+    p.add_argument("--temperature", type=number(float, 0, MAX_TEMPERATURE), default=0.0,
+                   help=f"0 = greedy (default), else {MIN_TEMPERATURE}-{MAX_TEMPERATURE:g}")
+    p.add_argument("--top-p", type=number(float, 0, 1, lo_open=True), default=1.0)
+    p.add_argument("--top-k", type=START, default=0, help="0: no cut")
+    p.add_argument("--seed", type=SEED, default=None)
 
 
 def _add_verify_threshold(p: argparse.ArgumentParser, default: float | None = 0.0, extra: str = "") -> None:
-    p.add_argument("--verify-threshold", type=float, default=default,
+    p.add_argument("--verify-threshold", type=number(float, 0, 1, hi_open=True), default=default,
                    help="verify only drafts whose estimated acceptance chance is >= this (0: the whole block)" + extra)
 
 
 def _add_alternatives(p: argparse.ArgumentParser, default: int | None = 0, extra: str = "") -> None:
     from .decoding.interfaces import MAX_ALTERNATIVES
 
-    p.add_argument("--alternatives", type=int, default=default,
+    p.add_argument("--alternatives", type=number(int, 0, MAX_ALTERNATIVES), default=default,
                    help=f"greedy: also verify up to this many of the drafter's runner-up tokens for the first "
                         f"draft, beside the chain (0-{MAX_ALTERNATIVES}; under --verify-threshold only those "
                         f"the drafter gives at least that probability)" + extra)
@@ -35,7 +88,7 @@ def _add_hint_trust(p: argparse.ArgumentParser, server: bool = False) -> None:
     from .decoding.flow import HINT_TRUST
 
     default = f"the server's, {HINT_TRUST}" if server else f"{HINT_TRUST}"
-    p.add_argument("--hint-trust", type=float, default=None if server else HINT_TRUST,
+    p.add_argument("--hint-trust", type=number(float, 0, 1), default=None if server else HINT_TRUST,
                    help=f"dflow: take the verifier's guess over a draft the drafter is less sure of than this, "
                         f"where the flow shows the verifier read the same token before it (0: off; default {default})")
 
@@ -44,17 +97,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from .decoding.loop import generate
     from .decoding.sampling import SamplingParams
     from .backends.loading import load_backends
-    from .prompting import encode_prompt
+    from .prompting import check_prompt, encode_prompts
 
-    if a.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
-    if a.block_size is not None and a.block_size < 2:
-        raise UserError(f"--block-size must be at least 2 (anchor + one draft), got {a.block_size}")
-    if not a.prompt:
-        raise UserError("empty prompt: pass --prompt with some text")
+    check_prompt(a.prompt)  # sizes are checked by argparse, the context once the prompt is tokenized
     sampling = SamplingParams(a.temperature, a.top_p, a.top_k, a.seed)
     target, drafter = load_backends(a.target, a.drafter, a.mode, a.backend, a.build_dir, a.block_size)
-    prompt_ids = encode_prompt(target.tokenizer, a.prompt, a.chat)
+    prompt_ids = encode_prompts(target, [a.prompt], a.chat, a.max_new_tokens, ["--prompt"])[0]
     res = generate(target, drafter, [prompt_ids], a.mode, a.max_new_tokens, sampling,
                    verify_threshold=a.verify_threshold, hint_trust=a.hint_trust, alternatives=a.alternatives)
     ids = res.token_ids[0]
@@ -73,14 +121,19 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .demo import DEMO_PROMPTS, run_demo
 
+    if a.num_prompts > len(DEMO_PROMPTS):
+        raise UserError(f"the demo has {len(DEMO_PROMPTS)} prompts; pass --num-prompts {len(DEMO_PROMPTS)} or fewer")
     return run_demo(a.target, a.max_new_tokens, a.num_prompts, a.verify_threshold, a.hint_trust, a.alternatives)
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
     from .bench import run_bench
 
+    check_output(a.json_out, "bench report (--json-out)")
+    if a.json_out:
+        check_output(a.plot_out or str(Path(a.json_out).with_suffix(".png")), "bench plot (--plot-out)")
     drafters = {"dflash": a.dflash_drafter, "dflow": a.dflow_drafter}
     if a.drafter:
         for m in a.modes.split(","):
@@ -122,7 +175,10 @@ def cmd_make_data(a: argparse.Namespace) -> int:
     from .targets import load_target
     from .training.data import generate_dataset
 
+    check_output(a.data_dir, "data folder (--data-dir)", folder=True)
     target = load_target(a.target, num_taps=0)
+    if target.tokenizer is None:
+        raise UserError(f"{a.target} has no tokenizer to make text data with; use a checkpoint folder with one")
     print(generate_dataset(target, a.data_dir, a.num_prompts, a.max_new_tokens, a.batch_size, seed=a.seed,
                            first_prompt=a.first_prompt))
     return 0
@@ -133,6 +189,7 @@ def cmd_cache_states(a: argparse.Namespace) -> int:
     from .targets import load_target
     from .training.states import build_states
 
+    check_output(a.data_dir, "data folder (--data-dir)", folder=True)
     target = load_target(a.target, num_taps=a.num_taps or DEFAULT_NUM_TAPS)
     print(build_states(target, a.data_dir, a.max_len, kv=not a.no_kv))
     return 0
@@ -144,7 +201,8 @@ def cmd_train(a: argparse.Namespace) -> int:
     from .training.trainer import TrainConfig, train
 
     flags = {f.name: getattr(a, f.name) for f in fields(TrainConfig) if getattr(a, f.name, None) is not None}
-    cfg = TrainConfig.from_file(a.config, **flags) if a.config else TrainConfig(**flags)
+    cfg = TrainConfig.from_file(a.config, **flags) if a.config else TrainConfig(**flags)  # checks every value
+    check_output(cfg.out_dir, "training folder (--out-dir)", folder=True)
     print(train(cfg))
     return 0
 
@@ -155,17 +213,15 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     from .training.trainer import TrainConfig
 
     p.add_argument("--config", default=None, help="JSON file of TrainConfig fields (flags override it)")
-    for f in fields(TrainConfig):
-        kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" ")[0], None)
-        if f.name == "draft_vocab_size":
-            kind = int
+    for f in fields(TrainConfig):  # ranges: TrainConfig checks them, for --config files too
+        kind = {"int": number(int), "float": number(float)}.get(str(f.type).split(" ")[0])
         default = f.default if f.default is not MISSING else None
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None,
                        help=f"(default {default})")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="dflow-trt", description=__doc__)
+    ap = Parser(prog="dflow-trt", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="decode one prompt with ar, dflash or dflow")
@@ -174,8 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mode", default="dflow", choices=["ar", "dflash", "dflow"])
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--block-size", type=int, default=None, help="drafter block (default: as trained)")
+    g.add_argument("--max-new-tokens", type=COUNT, default=64)
+    g.add_argument("--block-size", type=BLOCK, default=None, help="drafter block (default: as trained)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--backend", default="torch", choices=["torch", "onnxruntime"],
                    help="onnxruntime runs the exported graphs (exported into --build-dir first if missing)")
@@ -188,8 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="the main job: all three modes on the embedded target, tau and tokens/s")
     d.add_argument("--target", default="smollm2-135m")
-    d.add_argument("--max-new-tokens", type=int, default=48)
-    d.add_argument("--num-prompts", type=int, default=3)
+    d.add_argument("--max-new-tokens", type=COUNT, default=48)
+    d.add_argument("--num-prompts", type=COUNT, default=3)
     _add_verify_threshold(d, None, "; default: a table for 0, then one for the CPU's 0.05")
     _add_alternatives(d, None, "; default: 0 for the whole block, 7 with the CPU's threshold")
     _add_hint_trust(d)
@@ -202,11 +258,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dflow-drafter", default=None, help="drafter for --mode dflow (default: shipped)")
     b.add_argument("--modes", default="ar,dflash,dflow")
     b.add_argument("--dataset", default="humaneval,mtbench", help="humaneval | mtbench | FILE.jsonl, comma list")
-    b.add_argument("--num-prompts", type=int, default=10)
-    b.add_argument("--first-prompt", type=int, default=0,
+    b.add_argument("--num-prompts", type=COUNT, default=10)
+    b.add_argument("--first-prompt", type=START, default=0,
                    help="skip this many prompts of each set: --first-prompt 16 --num-prompts 16 benches prompts 17-32")
-    b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--block-size", type=int, default=None)
+    b.add_argument("--max-new-tokens", type=COUNT, default=128)
+    b.add_argument("--block-size", type=BLOCK, default=None)
     b.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     b.add_argument("--json-out", default=None, help="write the report here (and a PNG plot beside it)")
     b.add_argument("--plot-out", default=None)
@@ -222,8 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", default="dflow", help="dflow (in-process) or dflow_bls (BLS orchestration)")
     c.add_argument("--prompt", required=True)
     c.add_argument("--mode", default="dflow", choices=["ar", "dflash", "dflow"])
-    c.add_argument("--max-new-tokens", type=int, default=64)
-    c.add_argument("--block-size", type=int, default=None)
+    c.add_argument("--max-new-tokens", type=COUNT, default=64)
+    c.add_argument("--block-size", type=BLOCK, default=None)
     c.add_argument("--chat", action="store_true")
     c.add_argument("--stop", action="append", default=[], help="stop word (repeatable)")
     c.add_argument("--stream", action="store_true", help="print text as rounds commit it")
@@ -237,19 +293,19 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make-data", help="generate the target's own responses to the training prompts")
     m.add_argument("--target", default="smollm2-135m")
     m.add_argument("--data-dir", default="runs/data-smollm2")
-    m.add_argument("--num-prompts", type=int, default=1024)
-    m.add_argument("--max-new-tokens", type=int, default=128)
-    m.add_argument("--batch-size", type=int, default=16)
-    m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--first-prompt", type=int, default=0,
+    m.add_argument("--num-prompts", type=COUNT, default=1024)
+    m.add_argument("--max-new-tokens", type=COUNT, default=128)
+    m.add_argument("--batch-size", type=COUNT, default=16)
+    m.add_argument("--seed", type=SEED, default=0)
+    m.add_argument("--first-prompt", type=START, default=0,
                    help="start this far down the prompt order (fresh prompts for a fine-tune)")
     m.set_defaults(func=cmd_make_data)
 
     s = sub.add_parser("cache-states", help="run the target once over the training data and store its states")
     s.add_argument("--target", default="smollm2-135m")
     s.add_argument("--data-dir", default="runs/data-smollm2")
-    s.add_argument("--max-len", type=int, default=320, help="as the trainer's --max-len")
-    s.add_argument("--num-taps", type=int, default=None, help="as the trainer's --num-taps (default 3)")
+    s.add_argument("--max-len", type=BLOCK, default=320, help="as the trainer's --max-len")
+    s.add_argument("--num-taps", type=COUNT, default=None, help="as the trainer's --num-taps (default 3)")
     s.add_argument("--no-kv", action="store_true", help="taps only (enough for --objective dflash)")
     s.set_defaults(func=cmd_cache_states)
 
@@ -274,14 +330,34 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = build_parser()
-    _quiet_libraries()
-    a = ap.parse_args(argv)
+    """Run one command. A refusal ends in one `error: ...` line and exit 2 (argparse's too), Ctrl-C
+    in `error: interrupted` and exit 130; outputs are written whole or not at all."""
+    interrupts: list[int] = []
+
+    def on_sigint(signum, frame):  # as Python's own, but remembered: a C extension interrupted while it
+        interrupts.append(signum)  # imports raises another error (SystemError), still the user's Ctrl-C
+        raise KeyboardInterrupt
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
     try:
+        ap = build_parser()
+        _quiet_libraries()
+        a = ap.parse_args(argv)
+        if interrupts:  # a library swallowed it while importing (numpy's typing, under torch's import)
+            raise KeyboardInterrupt
         return a.func(a)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, Exception) as e:
+        if not (isinstance(e, KeyboardInterrupt) or interrupts):
+            raise
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":

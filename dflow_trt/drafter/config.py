@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from ..decoding.interfaces import TargetInfo
 from ..errors import UserError
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_fields(obj, counts: tuple[str, ...], texts: tuple[str, ...] = (), positive: tuple[str, ...] = ()) -> None:
+    """Refuse an edited config.json before it sizes a model: `counts` whole numbers >= 1, `texts`
+    strings, `positive` finite numbers > 0."""
+    for name in counts + texts + positive:
+        v = getattr(obj, name)
+        if name in counts:
+            ok, want = _is_int(v) and v >= 1, "a whole number >= 1"
+        elif name in texts:
+            ok, want = isinstance(v, str), "a string"
+        else:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+            want = "a finite number > 0"
+        if not ok:
+            raise UserError(f"drafter config field {name} must be {want}, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -37,6 +58,19 @@ class DrafterConfig:
     extra: dict = field(default_factory=dict)  # free-form provenance (training run, etc.)
 
     def __post_init__(self):
+        _check_fields(self.target, ("vocab_size", "hidden_size", "num_layers"), ("name", "fingerprint"))
+        _check_fields(self, ("num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "block_size"),
+                      positive=("rms_norm_eps", "rope_theta"))
+        if not isinstance(self.flow, bool) or not isinstance(self.extra, dict):
+            raise UserError(f"drafter config field flow must be true or false and extra an object, got "
+                            f"{self.flow!r} and {type(self.extra).__name__}")
+        if any(not _is_int(t) or t < 0 for t in self.tap_layers) or not _is_int(self.mask_token_id) or (
+                self.draft_vocab_size is not None and not _is_int(self.draft_vocab_size)):
+            raise UserError("drafter config fields tap_layers, mask_token_id and draft_vocab_size must be "
+                            "whole numbers (tap layers >= 0)")
+        if self.num_heads % self.num_kv_heads:
+            raise UserError(f"drafter config: num_heads {self.num_heads} is not a multiple of num_kv_heads "
+                            f"{self.num_kv_heads}")
         if self.block_size < 2:
             raise UserError(f"block size must be at least 2 (anchor + one draft), got {self.block_size}")
         if not self.tap_layers:
@@ -75,6 +109,11 @@ class DrafterConfig:
     def check_target(self, info: TargetInfo) -> None:
         """Refuse a target other than the one this drafter was built for, naming the fix."""
         t = self.target
+        sizes, target_sizes = (t.vocab_size, t.hidden_size, t.num_layers), (info.vocab_size, info.hidden_size,
+                                                                           info.num_layers)
+        if t.fingerprint == info.fingerprint and sizes != target_sizes:
+            raise UserError(f"drafter config gives target {t.name!r} vocabulary, hidden size and layers {sizes} "
+                            f"but it has {target_sizes}: the config.json was edited; restore the drafter's own")
         if t.fingerprint != info.fingerprint:
             raise UserError(
                 f"drafter was built for target {t.name!r} (fingerprint {t.fingerprint}) but the target is "

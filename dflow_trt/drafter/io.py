@@ -62,8 +62,33 @@ def read_config(path: str | Path) -> DrafterConfig:
         raise UserError(f"no drafter at {path} (missing {CONFIG}); train one with `dflow-trt train` or omit --drafter")
     try:
         return DrafterConfig.from_dict(json.loads(cfg.read_text()))
-    except (json.JSONDecodeError, TypeError, KeyError) as e:
-        raise UserError(f"{cfg} is not a dflow_trt drafter config ({e}); re-export the drafter") from None
+    except (ValueError, TypeError, KeyError, AttributeError, UserError) as e:  # ValueError: not UTF-8 or JSON
+        why = f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e)
+        raise UserError(f"{cfg} is not a usable dflow_trt drafter config ({why}); restore the drafter's own "
+                        f"{CONFIG} or re-train it") from None
+
+
+def _read_weights(path: Path, config: DrafterConfig, target: HFTarget) -> dict[str, torch.Tensor]:
+    """The drafter's weights, refused when unreadable, not finite, or shaped other than `config` says
+    (checked against a model without memory: an edited config.json could ask for any amount)."""
+    try:
+        state = load_file(path / WEIGHTS, device=str(target.device))
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"cannot read drafter weights {path / WEIGHTS} ({e}); re-train or re-copy the drafter") from None
+    with torch.device("meta"):
+        want = {k: tuple(v.shape) for k, v in
+                DFlowDrafter(config, target.input_embeddings, target.lm_head).state_dict().items()}
+    have = {k: tuple(v.shape) for k, v in state.items()}
+    bad = sorted(k for k in have.keys() | want.keys() if have.get(k) != want.get(k))
+    if bad:
+        raise UserError(f"drafter {path}: {CONFIG} disagrees with {WEIGHTS} ({len(bad)} tensors, e.g. {bad[0]}: "
+                        f"config {want.get(bad[0], 'none')}, weights {have.get(bad[0], 'none')}); restore the "
+                        f"drafter's own {CONFIG} or re-train it")
+    nonfinite = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if nonfinite:
+        raise UserError(f"drafter weights {path / WEIGHTS} hold NaN or infinite values ({nonfinite[:3]}): its "
+                        f"training diverged; re-train it (a lower --lr, a larger --gamma)")
+    return state
 
 
 def load_drafter(path: str | Path, target: HFTarget) -> DFlowDrafter:
@@ -75,15 +100,9 @@ def load_drafter(path: str | Path, target: HFTarget) -> DFlowDrafter:
         target_taps = target.info.tap_layers
         raise UserError(f"drafter reads target layers {list(config.tap_layers)} but the target taps "
                         f"{list(target_taps)}; load the target with the drafter's tap layers")
+    state = _read_weights(path, config, target)
     model = DFlowDrafter(config, target.input_embeddings, target.lm_head).to(target.device)
-    try:
-        state = load_file(path / WEIGHTS, device=str(target.device))
-    except (FileNotFoundError, SafetensorError, OSError) as e:
-        raise UserError(f"cannot read drafter weights {path / WEIGHTS} ({e}); re-train or re-copy the drafter") from None
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise UserError(f"drafter weights {path / WEIGHTS} do not match its config "
-                        f"(missing {missing[:3]}, unexpected {unexpected[:3]}); re-train the drafter")
+    model.load_state_dict(state)
     return model
 
 

@@ -5,26 +5,32 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..cli import COUNT, check_output
+
 
 def add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="smollm2-135m", help="smollm2-135m | tiny-qwen3 | tiny-llama | checkpoint dir")
     p.add_argument("--drafter", action="append", default=[], help="drafter folder (repeatable; default: the "
                    "target's shipped dflash and dflow drafters, else seeded untrained ones)")
     p.add_argument("--name", default=None, help="build name (default: the target's)")
-    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks of the TensorRT-LLM checkpoints")
+    p.add_argument("--tp-size", type=COUNT, default=1, help="tensor-parallel ranks of the TensorRT-LLM checkpoints")
     p.add_argument("--out", default=None, help="build folder (default build/<name>)")
-    p.add_argument("--calib-prompts", type=int, default=32, help="training-distribution prompts for FP8 calibration")
-    p.add_argument("--check-prompts", type=int, default=16, help="held-out prompts for the FP8 check")
-    p.add_argument("--check-max-new-tokens", type=int, default=32)
+    p.add_argument("--calib-prompts", type=COUNT, default=32, help="training-distribution prompts for FP8 calibration")
+    p.add_argument("--check-prompts", type=COUNT, default=16, help="held-out prompts for the FP8 check")
+    p.add_argument("--check-max-new-tokens", type=COUNT, default=32)
     p.add_argument("--no-fp8-check", action="store_true")
 
 
 def spec_from_args(a: argparse.Namespace):
+    """The build's spec, its outputs checked writable before any work."""
     from .build import BuildSpec
 
-    return BuildSpec(target=a.target, drafters=tuple(a.drafter), name=a.name, tp_size=a.tp_size, out=a.out,
+    spec = BuildSpec(target=a.target, drafters=tuple(a.drafter), name=a.name, tp_size=a.tp_size, out=a.out,
                      calib_prompts=a.calib_prompts, check_prompts=a.check_prompts,
                      check_max_new_tokens=a.check_max_new_tokens, fp8_check=not a.no_fp8_check)
+    check_output(str(spec.build_dir), "build folder (--out)", folder=True)
+    check_output(getattr(a, "json_out", None), "FP8 report (--json-out)")
+    return spec
 
 
 def cmd_build(a: argparse.Namespace) -> int:
@@ -43,8 +49,7 @@ def cmd_fp8_check(a: argparse.Namespace) -> int:
     from .build import Build
     from .fp8_check import Fp8Report
 
-    spec = spec_from_args(a)
-    b = Build(spec)
+    b = Build(spec_from_args(a))
     b.run()
     rep = json.loads((b.dir / "reports" / "fp8_check.json").read_text())
     passed = rep.pop("passed")

@@ -41,17 +41,41 @@ def _eos_ids(model, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
+def _read(load, what: str, fix: str):
+    """`load()`, with any failure to read the files (bad config.json, truncated or mismatched weights,
+    a tokenizer_config.json without its tokenizer.json) as one user error naming `what` and `fix`."""
+    try:
+        return load()
+    except Exception as e:  # noqa: BLE001 - whatever transformers raises, the files are the problem
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"cannot load the {what} ({first}); {fix}") from None
+
+
+def _from_folder(path: Path, fix: str):
+    """(model, tokenizer or None) of a Hugging Face checkpoint folder; `fix` says how to repair its model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def load_model():
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+        if info["missing_keys"]:  # transformers would fill them with random values
+            raise ValueError(f"the weights lack {sorted(info['missing_keys'])[:3]}")
+        return model
+
+    model = _read(load_model, f"model in {path}", fix)
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return model, None
+    return model, _read(lambda: AutoTokenizer.from_pretrained(path), f"tokenizer in {path}",
+                        f"put the model's own tokenizer.json and tokenizer_config.json in {path}")
+
+
 def load_target(spec: str, tap_layers: tuple[int, ...] | None = None, num_taps: int = 1,
                 cache_dir: Path | None = None, seed: int = 0, device: str = "cpu") -> HFTarget:
     """Load a target by name or path, tapping `tap_layers` (default: DFlash's spread of num_taps)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if spec == "smollm2-135m":
         from .smollm2 import ensure_checkpoint
 
         path = ensure_checkpoint(cache_dir)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        model, tokenizer = _from_folder(path, f"delete {path} to convert the embedded model again")
     elif spec in ("tiny-qwen3", "tiny-llama"):
         from .tiny import build_tiny
 
@@ -59,8 +83,7 @@ def load_target(spec: str, tap_layers: tuple[int, ...] | None = None, num_taps: 
     elif Path(spec).is_dir():
         if not (Path(spec) / "config.json").is_file():
             raise UserError(f"{spec} has no config.json; point --target at a Hugging Face checkpoint folder")
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(spec) if (Path(spec) / "tokenizer_config.json").is_file() else None
+        model, tokenizer = _from_folder(Path(spec), "restore the checkpoint's config.json and weights")
     else:
         raise UserError(f"unknown target {spec!r}; use one of {', '.join(TARGET_NAMES)} or a checkpoint folder")
     if tokenizer is not None and len(tokenizer) > model.config.vocab_size:

@@ -80,10 +80,10 @@ class TrainConfig:
             v, kind = getattr(self, f.name), f.type.split(" ")[0]  # "int", "float" or "str" (| None)
             if v is None and f.type.endswith("None"):
                 continue
-            lo, hi, *lo_open = self.RANGES.get(f.name, (None, None))
+            lo, hi, lo_open = (*self.RANGES.get(f.name, (None, None)), False)[:3]
             want = {"str": "a string", "int": "an integer", "float": "a finite number"}[kind]
-            want += "" if lo is None else f" in {'(' if lo_open else '['}{lo}, {hi}]" if hi is not None \
-                else f" {'>' if lo_open else '>='} {lo}"
+            if lo is not None:
+                want += f" in {'(' if lo_open else '['}{lo}, {hi}]" if hi is not None else f" {'>' if lo_open else '>='} {lo}"
             if kind == "str":
                 ok = isinstance(v, str)
             else:
@@ -99,19 +99,17 @@ class TrainConfig:
             raise UserError(f"unknown objective {self.objective!r}; use dflash or dflow")
         if self.states not in ("auto", "off"):
             raise UserError(f"unknown states setting {self.states!r}; use auto or off")
-        if self.flow_lr_mult <= 0:
-            raise UserError(f"--flow-lr-mult must be positive, got {self.flow_lr_mult}")
         if self.flow_lr_mult != 1.0 and self.objective != "dflow":
             raise UserError("--flow-lr-mult applies to the flow branch, which only --objective dflow has")
-        if self.block_size < 2:
-            raise UserError(f"block size must be at least 2, got {self.block_size}")
 
     @classmethod
     def from_file(cls, path: str, **overrides) -> "TrainConfig":
         try:
             d = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, ValueError) as e:  # ValueError: not UTF-8, not JSON
             raise UserError(f"cannot read training config {path}: {e}") from None
+        if not isinstance(d, dict):
+            raise UserError(f"training config {path} must be a JSON object of TrainConfig fields")
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise UserError(f"unknown keys in {path}: {sorted(unknown)}")
