@@ -83,6 +83,59 @@ def chat_ids(target, text):
                                                 tokenize=True, return_dict=True)["input_ids"]
 
 
+def chat_prompts(target, n=8):
+    """The first n test prompts, chat-templated for `target`."""
+    return [chat_ids(target, t) for t in PROMPTS_TEXT[:n]]
+
+
+class CloseDrafter:
+    """Test double whose drafts follow the target at another temperature (classic draft/target
+    speculative sampling), so most are accepted and the accept, reject and bonus paths all run.
+    It rebuilds each row's committed tokens from its own last drafts and the new anchor."""
+
+    def __init__(self, model, block_size, uses_flow, prompt, temperature=1.3):
+        self.model, self.block_size, self.uses_flow, self.t = model, block_size, uses_flow, temperature
+        self.prompt = list(prompt)
+
+    def new_state(self, batch_size, generator=None):
+        return {"seqs": [list(self.prompt) for _ in range(batch_size)], "drafts": None, "pos": None, "gen": generator}
+
+    @torch.no_grad()
+    def _next_probs(self, seqs):
+        dev = self.model.device
+        L = torch.tensor([len(x) for x in seqs], device=dev)
+        ids = torch.zeros(len(seqs), int(L.max()), dtype=torch.long, device=dev)
+        for b, x in enumerate(seqs):
+            ids[b, :len(x)] = torch.tensor(x)
+        mask = torch.arange(ids.shape[1], device=dev)[None] < L[:, None]
+        logits = self.model(input_ids=ids, attention_mask=mask.long()).logits  # right padding: causal rows unaffected
+        return torch.softmax(logits[torch.arange(len(seqs), device=dev), L - 1].float() / self.t, -1)  # [B, V]
+
+    def draft(self, state, context_taps, context_lens, anchor_ids, anchor_pos, flow, sampler, verify_threshold=0.0):
+        seqs = state["seqs"]
+        for b in range(len(seqs)):
+            if state["drafts"] is not None:
+                seqs[b] += state["drafts"][b][:int(anchor_pos[b] - state["pos"][b]) - 1]
+            seqs[b].append(int(anchor_ids[b]))
+            assert len(seqs[b]) - 1 == int(anchor_pos[b])
+        work, ids, probs = [list(x) for x in seqs], [], []
+        for _ in range(self.block_size - 1):
+            q = self._next_probs(work)
+            t = torch.multinomial(q, 1, generator=state["gen"])[:, 0]
+            ids.append(t)
+            probs.append(q)
+            for b, x in enumerate(work):
+                x.append(int(t[b]))
+        draft_ids = torch.stack(ids, 1)  # [B, S-1]
+        state["drafts"], state["pos"] = draft_ids.tolist(), anchor_pos.clone()
+        self.state = state  # DFlow's hints may replace drafts; the test writes them back here
+        q = torch.stack(probs, 1)  # [B, S-1, V]
+        # top probability per position: it may depend on earlier drafts, never on the draft itself
+        from dflow_trt.decoding.interfaces import Proposal
+
+        return Proposal(draft_ids=draft_ids, draft_probs=q, confidence=q.amax(-1))
+
+
 class HintSpy:
     """Counts the drafts the loop's real `take_hints` replaced (it still does the work)."""
 
@@ -97,3 +150,61 @@ class HintSpy:
             return out
 
         monkeypatch.setattr(loop, "take_hints", spy)
+
+
+# ------------------------------------------------------------------ tie-aware greedy comparison
+
+# Greedy equality rests on margins: on the CPU a verify pass's fp32 logits differ from one-token
+# steps' (and from a full forward's) by up to ~1.5e-5, so where the target's top two logits are
+# closer than that, two exact decoders may pick different tokens. The bound a divergence must stay
+# within to count as such a rounding tie: GREEDY_TIE_RTOL times the top logit's magnitude (at least 1).
+GREEDY_TIE_RTOL = 1e-4
+
+
+@torch.inference_mode()
+def teacher_forced_logits(target, ids):
+    """The target's logits [len(ids), V] (fp32, CPU) from one cache-free forward over `ids`."""
+    x = torch.tensor([list(ids)], dtype=torch.long, device=target.device)
+    return target.model(input_ids=x).logits[0].float().cpu()
+
+
+def assert_greedy_equivalent(target, prompt, got, want, stop_token_ids=(), max_new_tokens=None,
+                             rtol=GREEDY_TIE_RTOL):
+    """`got` equals the greedy decode `want` of `prompt`, or parts from it only at a rounding tie.
+
+    Where they first differ, a teacher-forced forward of the common prefix must rank both tokens
+    within the tie bound of its top logit (so its top two logits are that close); after it, `got`
+    must go on as the target's own greedy continuation (each token within the bound of its
+    position's top logit), stop only on its last token and, given `max_new_tokens`, end by a stop
+    token or at that length. Returns the position of the tie taken, or None when equal."""
+    got, want, stop = list(got), list(want), set(stop_token_ids)
+    if got == want:
+        return None
+    i = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    if i == min(len(got), len(want)):
+        raise AssertionError(f"greedy outputs differ in length ({len(got)} vs {len(want)} tokens) without a differing "
+                             f"token: one stopped or was cut where the other went on (first {i} tokens equal)")
+    logits = teacher_forced_logits(target, list(prompt) + want[:i])[-1]
+    (l1, l2), top = logits.topk(2).values.tolist(), int(logits.argmax())
+    tol = rtol * max(1.0, abs(l1))
+    a, b = float(logits[got[i]]), float(logits[want[i]])
+    if l1 - l2 > tol or l1 - min(a, b) > tol:
+        raise AssertionError(
+            f"greedy outputs differ at position {i}: got token {got[i]} (logit {a:.7g}), want {want[i]} (logit "
+            f"{b:.7g}); the target's top-2 logits there are {l1:.7g} (token {top}) and {l2:.7g}, gap {l1 - l2:.3g} > "
+            f"tie bound {tol:.3g}, or a token off the top: a genuine mismatch, not a rounding tie")
+    tail = teacher_forced_logits(target, list(prompt) + got)
+    off = len(prompt) - 1  # tail[off + j] predicts got[j]
+    for j in range(i + 1, len(got)):
+        lj = tail[off + j]
+        gap = float(lj.max() - lj[got[j]])
+        if gap > rtol * max(1.0, float(lj.max().abs())):
+            raise AssertionError(f"after the tie at position {i}, token {j} ({got[j]}) is not the target's greedy "
+                                 f"choice ({int(lj.argmax())}): its logit is {gap:.3g} below the top")
+    early = [j for j, t in enumerate(got[:-1]) if t in stop]
+    if early:
+        raise AssertionError(f"after the tie at position {i}, output went on past stop token {got[early[0]]} at {early[0]}")
+    if max_new_tokens is not None and got[-1] not in stop and len(got) != max_new_tokens:
+        raise AssertionError(f"after the tie at position {i}, output ended after {len(got)} tokens with no stop token "
+                             f"(max new tokens {max_new_tokens})")
+    return i

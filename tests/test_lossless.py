@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import PROMPTS_TEXT, HintSpy, OracleDrafter, chat_ids
+from conftest import HintSpy, OracleDrafter, chat_prompts
 from dflow_trt.decoding.loop import generate
 from dflow_trt.drafter.defaults import untrained_config
 from dflow_trt.drafter.io import build_drafter
@@ -12,12 +12,8 @@ from dflow_trt.drafter.runtime import TorchDrafter
 BLOCKS = (2, 4, 8, 16)
 
 
-def _prompts(target, n=8):
-    return [chat_ids(target, t) for t in PROMPTS_TEXT[:n]]
-
-
 def _check_target(target, max_new, blocks=BLOCKS):
-    prompts = _prompts(target)
+    prompts = chat_prompts(target)
     # the reference runs a block past max_new so the oracle can propose full blocks to the end
     ar_long = [generate(target, None, [p], "ar", max_new + 16, stop_token_ids=()).token_ids[0] for p in prompts]
     ar = [a[:max_new] for a in ar_long]
@@ -55,7 +51,7 @@ def test_tiny_llama_lossless(tiny_llama):
 def test_verifier_hints_are_lossless(tiny_qwen3, monkeypatch, S):
     """DFlow with every consistent hint taken (trust 1), batched rows: still the target's tokens."""
     spy = HintSpy(monkeypatch)
-    prompts, max_new = _prompts(tiny_qwen3, 6), 40
+    prompts, max_new = chat_prompts(tiny_qwen3, 6), 40
     ar = [generate(tiny_qwen3, None, [p], "ar", max_new, stop_token_ids=()).token_ids[0] for p in prompts]
     d = TorchDrafter(build_drafter(tiny_qwen3, untrained_config(tiny_qwen3, flow=True, block_size=S)), S)
     for threshold in (0.0, 0.3):
@@ -74,7 +70,7 @@ def test_verifier_hints_are_lossless(tiny_qwen3, monkeypatch, S):
 
 
 def test_single_row_equals_batched(tiny_qwen3):
-    prompts = _prompts(tiny_qwen3, 4)
+    prompts = chat_prompts(tiny_qwen3, 4)
     d = TorchDrafter(build_drafter(tiny_qwen3, untrained_config(tiny_qwen3, flow=True, block_size=4)))
     batched = generate(tiny_qwen3, d, prompts, "dflow", 20, stop_token_ids=())
     single = [generate(tiny_qwen3, d, [p], "dflow", 20, stop_token_ids=()).token_ids[0] for p in prompts]
@@ -82,7 +78,7 @@ def test_single_row_equals_batched(tiny_qwen3):
 
 
 def test_stop_tokens_and_max_new_tokens(tiny_qwen3):
-    p = _prompts(tiny_qwen3, 1)
+    p = chat_prompts(tiny_qwen3, 1)
     ar = generate(tiny_qwen3, None, p, "ar", 30, stop_token_ids=()).token_ids[0]
     stop = ar[7]
     first = ar.index(stop)
@@ -123,7 +119,7 @@ class _Unsure:
 @pytest.mark.parametrize("S", (4, 16))
 def test_shortened_verify_is_lossless(tiny_qwen3, S):
     """Verifying only the drafts the drafter is sure of changes cost, never tokens."""
-    prompts, max_new = _prompts(tiny_qwen3, 4), 32
+    prompts, max_new = chat_prompts(tiny_qwen3, 4), 32
     ar_long = [generate(tiny_qwen3, None, [p], "ar", max_new + 16, stop_token_ids=()).token_ids[0] for p in prompts]
     ar = [a[:max_new] for a in ar_long]
     untrained = build_drafter(tiny_qwen3, untrained_config(tiny_qwen3, flow=True, block_size=S))
@@ -156,7 +152,7 @@ def test_smollm2_shipped_drafters_lossless(smollm2, monkeypatch):
     from dflow_trt.drafter.defaults import load_target_and_drafter
 
     spy = HintSpy(monkeypatch)
-    prompts = _prompts(smollm2, 3)
+    prompts = chat_prompts(smollm2, 3)
     ar = [generate(smollm2, None, [p], "ar", 32, stop_token_ids=()).token_ids[0] for p in prompts]
     for mode in ("dflash", "dflow"):
         target, model = load_target_and_drafter("smollm2-135m", None, mode, target=smollm2)

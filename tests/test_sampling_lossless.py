@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-from conftest import TEST_DEVICE, HintSpy
+from conftest import TEST_DEVICE, CloseDrafter, HintSpy
 from dflow_trt.decoding.interfaces import Proposal
 from dflow_trt.decoding.loop import generate
 from dflow_trt.decoding.sampling import SamplingParams
@@ -29,51 +29,6 @@ def small_target():
 
 
 PROMPT = [1, 2, 3]
-
-
-class CloseDrafter:
-    """Test double whose drafts follow the target at another temperature (classic draft/target
-    speculative sampling), so most are accepted and the accept, reject and bonus paths all run.
-    It rebuilds each row's committed tokens from its own last drafts and the new anchor."""
-
-    def __init__(self, model, block_size, uses_flow, temperature=1.3):
-        self.model, self.block_size, self.uses_flow, self.t = model, block_size, uses_flow, temperature
-
-    def new_state(self, batch_size, generator=None):
-        return {"seqs": [list(PROMPT) for _ in range(batch_size)], "drafts": None, "pos": None, "gen": generator}
-
-    @torch.no_grad()
-    def _next_probs(self, seqs):
-        dev = self.model.device
-        L = torch.tensor([len(x) for x in seqs], device=dev)
-        ids = torch.zeros(len(seqs), int(L.max()), dtype=torch.long, device=dev)
-        for b, x in enumerate(seqs):
-            ids[b, :len(x)] = torch.tensor(x)
-        mask = torch.arange(ids.shape[1], device=dev)[None] < L[:, None]
-        logits = self.model(input_ids=ids, attention_mask=mask.long()).logits  # right padding: causal rows unaffected
-        return torch.softmax(logits[torch.arange(len(seqs), device=dev), L - 1].float() / self.t, -1)  # [B, V]
-
-    def draft(self, state, context_taps, context_lens, anchor_ids, anchor_pos, flow, sampler, verify_threshold=0.0):
-        seqs = state["seqs"]
-        for b in range(len(seqs)):
-            if state["drafts"] is not None:
-                seqs[b] += state["drafts"][b][:int(anchor_pos[b] - state["pos"][b]) - 1]
-            seqs[b].append(int(anchor_ids[b]))
-            assert len(seqs[b]) - 1 == int(anchor_pos[b])
-        work, ids, probs = [list(x) for x in seqs], [], []
-        for _ in range(self.block_size - 1):
-            q = self._next_probs(work)
-            t = torch.multinomial(q, 1, generator=state["gen"])[:, 0]
-            ids.append(t)
-            probs.append(q)
-            for b, x in enumerate(work):
-                x.append(int(t[b]))
-        draft_ids = torch.stack(ids, 1)  # [B, S-1]
-        state["drafts"], state["pos"] = draft_ids.tolist(), anchor_pos.clone()
-        self.state = state  # DFlow's hints may replace drafts; the test writes them back here
-        q = torch.stack(probs, 1)  # [B, S-1, V]
-        # top probability per position: it may depend on earlier drafts, never on the draft itself
-        return Proposal(draft_ids=draft_ids, draft_probs=q, confidence=q.amax(-1))
 
 
 def _samples(target, drafter, mode, params, block, verify_threshold=0.0, hint_trust=0.5):
@@ -118,7 +73,7 @@ def test_speculative_sampling_with_a_close_drafter_matches_ar(small_target, monk
     import dflow_trt.decoding.loop as loop
 
     spy = HintSpy(monkeypatch)
-    drafter = CloseDrafter(small_target.model, block, uses_flow=(mode == "dflow"))
+    drafter = CloseDrafter(small_target.model, block, uses_flow=(mode == "dflow"), prompt=PROMPT)
     counted = loop.take_hints
 
     def hints_written_back(prop, flow, trust):  # the double rebuilds its context from what was proposed
@@ -147,7 +102,7 @@ def test_the_test_catches_a_wrong_accept_rule(small_target):
             return Proposal(prop.draft_ids, torch.softmax(torch.log(prop.draft_probs) * 2.6, -1))
 
     ar, _ = _samples(small_target, None, "ar", SamplingParams(1.0, 0.95, 12, seed=13), 1)
-    spec, _ = _samples(small_target, Misreporting(small_target.model, 4, False), "dflash",
+    spec, _ = _samples(small_target, Misreporting(small_target.model, 4, False, prompt=PROMPT), "dflash",
                        SamplingParams(1.0, 0.95, 12, seed=17), 4)
     _, p, _, _ = chi2_contingency(list(zip(*_table(ar, spec))))
     assert p < 1e-3
@@ -172,7 +127,7 @@ def test_the_test_catches_a_verify_length_chosen_from_the_sampled_drafts(small_t
             return Proposal(prop.draft_ids, prop.draft_probs, confidence=conf)
 
     ar, _ = _samples(small_target, None, "ar", SamplingParams(1.0, 0.95, 12, seed=13), 1)
-    spec, _ = _samples(small_target, SampleConfident(small_target.model, 4, True), "dflow",
+    spec, _ = _samples(small_target, SampleConfident(small_target.model, 4, True, prompt=PROMPT), "dflow",
                        SamplingParams(1.0, 0.95, 12, seed=17), 4, verify_threshold=0.05)
     _, p, _, _ = chi2_contingency(list(zip(*_table(ar, spec))))
     assert p < 1e-3

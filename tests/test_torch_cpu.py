@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import chat_prompts
 from dflow_trt.backends import torch_cpu
 from dflow_trt.decoding.loop import generate
 from dflow_trt.drafter.defaults import load_target_and_drafter
@@ -150,11 +151,9 @@ def test_draft_head_cache_follows_the_vocabulary(tiny_qwen3, monkeypatch):
 
 def test_packed_decoding_is_lossless(tiny_qwen3):
     """Every mode on a packed target with a packed drafter, batched, equals greedy decoding row by row."""
-    from tests.test_lossless import _prompts
-
     target, _ = load_target_and_drafter("tiny-qwen3", None, "ar", warn=lambda m: None)
     assert any(type(m) is torch_cpu.PackedLinear for m in target.model.modules())
-    prompts = _prompts(target, 4)
+    prompts = chat_prompts(target, 4)
     ar = [generate(target, None, [p], "ar", 24, stop_token_ids=()).token_ids[0] for p in prompts]
     for mode in ("dflash", "dflow"):
         t, model = load_target_and_drafter("tiny-qwen3", None, mode, warn=lambda m: None, target=target)
@@ -167,10 +166,8 @@ def test_packed_decoding_is_lossless(tiny_qwen3):
 @pytest.mark.slow
 def test_packed_smollm2_shipped_drafters_lossless():
     """The default decoding set-up (packed target and drafters, real acceptances) equals greedy."""
-    from tests.test_lossless import _prompts
-
     target, _ = load_target_and_drafter("smollm2-135m", None, "ar")
-    prompts = _prompts(target, 3)
+    prompts = chat_prompts(target, 3)
     ar = [generate(target, None, [p], "ar", 32, stop_token_ids=()).token_ids[0] for p in prompts]
     for mode in ("dflash", "dflow"):
         t, model = load_target_and_drafter("smollm2-135m", None, mode, target=target)
