@@ -126,3 +126,19 @@ def test_checkpoint_without_training_state_is_refused(tmp_path):
     torch.save({"step": 3}, tmp_path / "checkpoint.pt")
     with pytest.raises(UserError, match="lacks the training state"):
         _load_ckpt(tmp_path / "checkpoint.pt")
+
+
+def test_target_folder_with_a_pickled_bin_runs_no_code(tmp_path):
+    """A checkpoint folder whose weights are a pickle (pytorch_model.bin) is refused: targets load
+    from safetensors only, so code planted in the pickle never runs."""
+    from dflow_trt.targets import load_target
+    from dflow_trt.targets.tiny import build_tiny
+
+    model, _ = build_tiny("qwen3")
+    model.config.save_pretrained(tmp_path)
+    marker = tmp_path / "pwned"
+    with open(tmp_path / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"model.embed_tokens.weight": _Planted(str(marker))}, f)
+    with pytest.raises(UserError, match=f"cannot load the model in {tmp_path}"):
+        load_target(str(tmp_path))
+    assert not marker.exists()

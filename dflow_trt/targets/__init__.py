@@ -56,7 +56,9 @@ def _from_folder(path: Path, fix: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     def load_model():
-        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+        # safetensors only, no remote code: a checkpoint folder never runs code (a pickled .bin could)
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True,
+                                                           use_safetensors=True, trust_remote_code=False)
         if info["missing_keys"]:  # transformers would fill them with random values
             raise ValueError(f"the weights lack {sorted(info['missing_keys'])[:3]}")
         return model
