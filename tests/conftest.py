@@ -83,6 +83,22 @@ def chat_ids(target, text):
                                                 tokenize=True, return_dict=True)["input_ids"]
 
 
+SMALL_VOCAB = 16  # the sampling checks' target: every conditional can be enumerated
+
+
+@pytest.fixture(scope="session")
+def small_target():
+    """A tiny Qwen3 target over 16 tokens, its head sharpened so the distribution is far from uniform."""
+    from dflow_trt.targets.hf_target import HFTarget
+    from dflow_trt.targets.tiny import build_tiny
+
+    model, _ = build_tiny("qwen3", seed=3, vocab_size=SMALL_VOCAB)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.5)
+    return HFTarget(model.to(TEST_DEVICE), name="tiny-qwen3-v16", tap_layers=(1, 3), tokenizer=None,
+                    eos_token_ids=())
+
+
 def chat_prompts(target, n=8):
     """The first n test prompts, chat-templated for `target`."""
     return [chat_ids(target, t) for t in PROMPTS_TEXT[:n]]
