@@ -6,26 +6,15 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-from conftest import TEST_DEVICE, CloseDrafter, HintSpy
+from conftest import CloseDrafter, HintSpy
 from dflow_trt.decoding.interfaces import Proposal
 from dflow_trt.decoding.loop import generate
 from dflow_trt.decoding.sampling import SamplingParams
 from dflow_trt.drafter.defaults import untrained_config
 from dflow_trt.drafter.io import build_drafter
 from dflow_trt.drafter.runtime import TorchDrafter
-from dflow_trt.targets.hf_target import HFTarget
-from dflow_trt.targets.tiny import build_tiny
 
-V, N, K = 16, 3000, 3  # vocabulary, samples per arm, tokens compared
-
-
-@pytest.fixture(scope="module")
-def small_target():
-    model, _ = build_tiny("qwen3", seed=3, vocab_size=V)
-    with torch.no_grad():  # sharpen the random head so the distribution is far from uniform
-        model.lm_head.weight.mul_(1.5)
-    model = model.to(TEST_DEVICE)
-    return HFTarget(model, name="tiny-qwen3-v16", tap_layers=(1, 3), tokenizer=None, eos_token_ids=())
+N, K = 3000, 3  # samples per arm, tokens compared
 
 
 PROMPT = [1, 2, 3]
