@@ -11,6 +11,7 @@ own files (`claim_dir`), checked before any work starts.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -32,11 +33,14 @@ def _sweep(dest: Path) -> None:
 
 
 @contextmanager
-def atomic_dir(dest: str | Path) -> Iterator[Path]:
-    """Yield an empty temporary folder; on success it replaces `dest` whole, on error it is removed."""
+def atomic_dir(dest: str | Path, sweep: bool = True) -> Iterator[Path]:
+    """Yield an empty temporary folder; on success it replaces `dest` whole, on error it is removed.
+    `sweep=False` for a cache several processes may fill at once (Triton's model stubs, DDP ranks):
+    their temporaries are then in use, not stale, and are left alone."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    _sweep(dest)
+    if sweep:
+        _sweep(dest)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARK}", dir=dest.parent))
     try:
         yield tmp
@@ -51,23 +55,31 @@ def atomic_dir(dest: str | Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextmanager
+def atomic_file(dest: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside `dest` for a writer to create (`save_file`, `savefig`, ...); on
+    success it replaces `dest`, on error it is removed. The writer creates the file, so it gets the
+    usual permissions (as if written at `dest` directly)."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    _sweep(dest)
+    tmp = dest.parent / f".{dest.name}{TMP_MARK}{secrets.token_hex(6)}"
+    try:
+        yield tmp
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_text(path: str | Path, text: str) -> Path:
     """Write a text file atomically (temporary sibling, then rename)."""
     return write_bytes(path, text.encode())
 
 
 def write_bytes(path: str | Path, data: bytes) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _sweep(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    return path
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
 
 
 def claim_dir(path: str | Path, what: str, own: tuple[str, ...]) -> Path:

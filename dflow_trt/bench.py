@@ -8,7 +8,6 @@ machine's speed cancels out of the speedups; each mode's tokens are checked agai
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from .atomic import atomic_file, write_text
 from .decoding.flow import HINT_TRUST
 from .decoding.loop import generate
 from .drafter.defaults import load_target_and_drafter
@@ -184,10 +184,9 @@ def _plot(report: dict, path: Path) -> None:
     ax2.set_title("acceptance by position (all datasets)")
     ax2.legend()
     fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], datasets: list[str], num_prompts: int,
@@ -246,11 +245,7 @@ def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], da
             console.print(f"dflow − dflash, per prompt: τ {pd['tau_diff_mean']:+.3f} ± {pd['tau_diff_se']:.3f}; "
                           f"dflow ahead on {pd['dflow_ahead']} of {pd['prompts']} prompts, dflash on {pd['dflash_ahead']}")
     if json_out:
-        out = Path(json_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=2) + "\n")
-        os.replace(tmp, out)
+        out = write_text(json_out, json.dumps(report, indent=2) + "\n")
         _plot(report, Path(plot_out) if plot_out else out.with_suffix(".png"))
         console.print(f"wrote {out} and {Path(plot_out) if plot_out else out.with_suffix('.png')}")
     lossless = all(s["matches_ar"] for s in report["modes"].values())

@@ -22,7 +22,7 @@ from ..decoding.interfaces import FlowState, Proposal, TargetInfo, TargetOutput
 from ..decoding.sampling import SamplingParams, propose
 from ..drafter.config import DrafterConfig
 from ..errors import UserError
-from ..export import onnx_drafter, onnx_target
+from . import onnx_io
 
 
 def _session(path: Path, threads: int | None = None) -> ort.InferenceSession:
@@ -62,15 +62,15 @@ class OrtTarget:
 
     def __init__(self, onnx_dir: str | Path, tokenizer=None, threads: int | None = None):
         d = Path(onnx_dir)
-        self.meta = m = _read_meta(d / onnx_target.META, "dflow_trt-target-onnx")
-        self.session = _session(d / onnx_target.GRAPH, threads)
+        self.meta = m = _read_meta(d / onnx_io.TARGET_META, onnx_io.TARGET_KIND)
+        self.session = _session(d / onnx_io.TARGET_GRAPH, threads)
         self.tokenizer = tokenizer
         self.num_layers, self.num_kv_heads, self.head_dim = m["num_layers"], m["num_kv_heads"], m["head_dim"]
         self.info = TargetInfo(name=m["target"], fingerprint=m["fingerprint"], vocab_size=m["vocab_size"],
                                hidden_size=m["hidden_size"], num_layers=m["num_layers"],
                                tap_layers=tuple(m["tap_layers"]), eos_token_ids=tuple(m["eos_token_ids"]),
                                max_context=m.get("max_context"))
-        self.input_names, _ = onnx_target.io_names(self.num_layers)
+        self.input_names, _ = onnx_io.target_io_names(self.num_layers)
 
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor,
              kv: list[np.ndarray]) -> tuple[TargetOutput, list[np.ndarray]]:
@@ -132,16 +132,16 @@ class OrtDrafter:
 
     def __init__(self, onnx_dir: str | Path, block_size: int | None = None, threads: int | None = None):
         d = Path(onnx_dir)
-        self.meta = m = _read_meta(d / onnx_drafter.META, "dflow_trt-drafter-onnx")
+        self.meta = m = _read_meta(d / onnx_io.DRAFTER_META, onnx_io.DRAFTER_KIND)
         self.config = c = DrafterConfig.from_dict(m["config"])
-        self.session = _session(d / onnx_drafter.GRAPH, threads)
+        self.session = _session(d / onnx_io.DRAFTER_GRAPH, threads)
         self.block_size = block_size or c.block_size
         if self.block_size < 2:
             raise UserError(f"block size must be at least 2 (anchor + one draft), got {self.block_size}")
         self.uses_flow = c.flow
         vd = m["draft_vocab"]
         self.draft_vocab = torch.tensor(vd) if vd is not None else torch.arange(c.target.vocab_size)  # [Vd]
-        self.input_names, _ = onnx_drafter.io_names(c.num_layers, c.flow)
+        self.input_names, _ = onnx_io.drafter_io_names(c.num_layers, c.flow)
 
     def check_target(self, info: TargetInfo) -> None:
         """Refuse a target other than the one this drafter was exported for (or other taps)."""

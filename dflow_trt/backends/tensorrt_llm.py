@@ -13,10 +13,14 @@ counts are the acceptance lengths.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
+
+import torch
 
 from ..decoding.loop import GenerationResult, RoundEvent
 from ..decoding.sampling import SamplingParams
@@ -42,10 +46,19 @@ def served_modes(opts: dict) -> tuple[str, ...]:
     return ("dflash",) if "speculative_config" in opts else ("ar",)
 
 
+def engine_build_available() -> tuple[bool, str]:
+    """(whether TensorRT-LLM, a GPU and `trtllm-build` are all here, what is missing)."""
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        return False, "tensorrt_llm is not installed"
+    if not torch.cuda.is_available():
+        return False, "no CUDA GPU is visible"
+    if shutil.which("trtllm-build") is None:
+        return False, "trtllm-build is not on PATH"
+    return True, ""
+
+
 def load_llm(opts: dict):
     """Build a `tensorrt_llm.LLM` from the options; a clear error where TensorRT-LLM or a GPU is missing."""
-    from ..export.trtllm import engine_build_available
-
     ok, why = engine_build_available()
     if not ok and why != "trtllm-build is not on PATH":  # the LLM API needs no trtllm-build
         raise UserError(f"backend=tensorrt_llm needs a GPU host with TensorRT-LLM ({why}); install "

@@ -100,8 +100,9 @@ class Drafter(Protocol):
     block_size: int  # S: anchor + (S-1) drafts
     uses_flow: bool
 
-    def new_state(self, batch_size: int) -> Any:
-        """Empty per-request state (context KV cache)."""
+    def new_state(self, batch_size: int, generator: torch.Generator | None = None) -> Any:
+        """Empty per-request state (context KV cache) for `batch_size` rows; `generator` (None: the
+        global RNG) draws the request's sampled drafts, so a seeded request is reproducible."""
 
     def draft(self, state: Any, context_taps: torch.Tensor, context_lens: torch.Tensor,
               anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, flow: FlowState | None,

@@ -1,26 +1,23 @@
 """Save and load drafters: `model.safetensors` (drafter weights only) + `config.json`.
 
 The target's embeddings and LM head are shared and never stored. Files are written into a
-temporary folder and renamed, so a half-written drafter is never loaded.
+temporary folder and renamed (`atomic.atomic_dir`), so a half-written drafter is never loaded.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..atomic import atomic_dir
 from ..errors import UserError
 from ..targets.hf_target import HFTarget
 from .config import DrafterConfig
 from .model import DFlowDrafter
-from .runtime import TorchDrafter
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 
@@ -38,21 +35,13 @@ def build_drafter(target: HFTarget, config: DrafterConfig, seed: int | None = 0)
 
 
 def save_drafter(model: DFlowDrafter, path: str | Path, extra_files: dict[str, str] | None = None) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    try:
+    with atomic_dir(path) as tmp:
         state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
         save_file(state, tmp / WEIGHTS, metadata={"format": "pt", "kind": "dflow_trt-drafter"})
         (tmp / CONFIG).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return Path(path)
 
 
 def read_config(path: str | Path) -> DrafterConfig:
@@ -104,7 +93,3 @@ def load_drafter(path: str | Path, target: HFTarget) -> DFlowDrafter:
     model = DFlowDrafter(config, target.input_embeddings, target.lm_head).to(target.device)
     model.load_state_dict(state)
     return model
-
-
-def as_backend(model: DFlowDrafter) -> TorchDrafter:
-    return TorchDrafter(model)

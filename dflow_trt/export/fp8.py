@@ -147,6 +147,18 @@ def drafter_fp8_state_dict(qdrafter: DFlowDrafter) -> dict[str, torch.Tensor]:
     return sd
 
 
+def dequantize_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """FP8 `weight` * `weight_scale` -> fp32 `weight`; scales dropped."""
+    out = {}
+    for k, v in sd.items():
+        if k.endswith((".weight_scale", ".input_scale")):
+            continue
+        if v.dtype == torch.float8_e4m3fn:
+            v = v.float() * sd[k[: -len("weight")] + "weight_scale"].float()
+        out[k] = v
+    return out
+
+
 HF_QUANT_CONFIG = {"producer": {"name": "dflow_trt"},
                    "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None,
                                     "exclude_modules": ["lm_head", "embed_tokens"]}}
@@ -162,8 +174,6 @@ def load_target_hf_fp8(path: str | Path):
     (transformers' own loader would cast the e4m3 weights to float and drop the scales.)"""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from .hf_drafter import dequantize_state_dict
 
     path = Path(path)
     config = AutoConfig.from_pretrained(path)

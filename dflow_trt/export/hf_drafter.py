@@ -24,7 +24,7 @@ from ..atomic import atomic_dir
 from ..drafter.config import DrafterConfig
 from ..drafter.model import DFlowDrafter
 from ..errors import UserError
-from .fp8 import HF_QUANT_CONFIG, drafter_fp8_state_dict, write_json
+from .fp8 import HF_QUANT_CONFIG, dequantize_state_dict, drafter_fp8_state_dict, write_json
 from .trtllm import drafter_record
 
 _ZLAB = [(r"^ctx_proj\.", "fc."), (r"^ctx_norm\.", "hidden_norm."),
@@ -95,18 +95,6 @@ def export_drafter_hf(drafter: DFlowDrafter, out_dir: str | Path, layout: str = 
         save_file(sd, tmp / "model.safetensors", metadata={"format": "pt"})
         write_json(tmp / "config.json", config)
     return Path(out_dir)
-
-
-def dequantize_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """FP8 `weight` * `weight_scale` -> fp32 `weight`; scales dropped."""
-    out = {}
-    for k, v in sd.items():
-        if k.endswith((".weight_scale", ".input_scale")):
-            continue
-        if v.dtype == torch.float8_e4m3fn:
-            v = v.float() * sd[k[: -len("weight")] + "weight_scale"].float()
-        out[k] = v
-    return out
 
 
 def load_drafter_hf_fp8(path: str | Path, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> DFlowDrafter:

@@ -65,13 +65,3 @@ def read_manifest(build_dir: str | Path) -> dict:
     if m.get("format") != FORMAT:
         raise UserError(f"{path} has format {m.get('format')}, expected {FORMAT}; rebuild with scripts/build_engines.py")
     return m
-
-
-def check_manifest_target(manifest: dict, fingerprint: str, tap_layers: tuple[int, ...]) -> None:
-    t = manifest["target"]
-    if t["fingerprint"] != fingerprint:
-        raise UserError(f"build was made for target {t['name']!r} (fingerprint {t['fingerprint']}), not this one "
-                        f"({fingerprint}); rebuild with `python scripts/build_engines.py --target ...`")
-    if tuple(t["tap_layers"]) != tuple(tap_layers):
-        raise UserError(f"build taps target layers {t['tap_layers']}, the drafter reads {list(tap_layers)}; "
-                        "rebuild with this drafter (`--drafter PATH`)")

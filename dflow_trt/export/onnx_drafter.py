@@ -31,18 +31,12 @@ import torch
 from torch import nn
 
 from ..atomic import atomic_dir
+from ..backends.onnx_io import DRAFTER_GRAPH as GRAPH
+from ..backends.onnx_io import DRAFTER_KIND as KIND
+from ..backends.onnx_io import DRAFTER_META as META
+from ..backends.onnx_io import drafter_io_names as io_names
 from ..decoding.interfaces import FlowState
 from ..drafter.model import DFlowDrafter
-
-GRAPH = "drafter.onnx"
-META = "drafter_meta.json"
-
-
-def io_names(num_layers: int, flow: bool) -> tuple[list[str], list[str]]:
-    past = [f"past.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
-    new = [f"new.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
-    flow_in = ["flow_taps", "flow_token_ids", "flow_hint_ids", "flow_valid"] if flow else []
-    return ["ctx_taps", "ctx_pos", "block_ids", "block_pos", "attn_mask", *flow_in, *past], ["logits", *new]
 
 
 class DrafterGraph(nn.Module):
@@ -106,7 +100,7 @@ def export_drafter(model: DFlowDrafter, out_dir: str | Path, opset: int = 18) ->
             prog = torch.onnx.export(graph, inputs, dynamo=True, dynamic_shapes=dyn, input_names=in_names,
                                      output_names=out_names, opset_version=opset, optimize=True, verbose=False)
         prog.save(str(tmp / GRAPH), external_data=True)
-        meta = {"kind": "dflow_trt-drafter-onnx", "config": c.to_dict(), "inputs": in_names, "outputs": out_names,
+        meta = {"kind": KIND, "config": c.to_dict(), "inputs": in_names, "outputs": out_names,
                 "draft_vocab": model.draft_vocab.tolist() if c.draft_vocab_size is not None else None,
                 "opset": opset}
         (tmp / META).write_text(json.dumps(meta) + "\n")

@@ -18,7 +18,7 @@ as an additive float mask, so rows with no visible slot (left padding) stay fini
 turning into NaNs that would poison the cache. P must be >= 1 (torch.export cannot keep a
 dimension that is 0 in one call dynamic): the back end passes one masked dummy slot at prefill.
 Batch, block length and past length are all dynamic; the example batch is 2 so batch is not
-frozen to 1 (see DESIGN §2).
+frozen to 1 (torch.export specializes a dimension whose example size is 1).
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ from torch import nn
 from transformers import DynamicCache
 
 from ..atomic import atomic_dir
+from ..backends.onnx_io import TARGET_GRAPH as GRAPH
+from ..backends.onnx_io import TARGET_KIND as KIND
+from ..backends.onnx_io import TARGET_META as META
+from ..backends.onnx_io import target_io_names as io_names
 from ..targets.hf_target import HFTarget
-
-GRAPH = "target.onnx"
-META = "target_meta.json"
 
 
 def kv_geometry(model) -> tuple[int, int, int]:
@@ -42,12 +43,6 @@ def kv_geometry(model) -> tuple[int, int, int]:
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return c.num_hidden_layers, c.num_key_value_heads, head_dim
-
-
-def io_names(num_layers: int) -> tuple[list[str], list[str]]:
-    past = [f"past.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
-    present = [f"present.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
-    return ["input_ids", "position_ids", "valid", *past], ["logits", "taps", *present]
 
 
 class TargetGraph(nn.Module):
@@ -104,7 +99,7 @@ def export_target(target: HFTarget, out_dir: str | Path, opset: int = 18) -> Pat
             prog = torch.onnx.export(graph, inputs, dynamo=True, dynamic_shapes=dyn, input_names=in_names,
                                      output_names=out_names, opset_version=opset, optimize=True, verbose=False)
         prog.save(str(tmp / GRAPH), external_data=True)
-        meta = {"kind": "dflow_trt-target-onnx", "target": target.info.name, "fingerprint": target.info.fingerprint,
+        meta = {"kind": KIND, "target": target.info.name, "fingerprint": target.info.fingerprint,
                 "tap_layers": list(target.info.tap_layers), "num_layers": n, "num_kv_heads": hkv, "head_dim": d,
                 "hidden_size": target.info.hidden_size, "vocab_size": target.info.vocab_size,
                 "eos_token_ids": list(target.info.eos_token_ids),

@@ -13,7 +13,7 @@ is split per part: rank r holds [q_r; k_r; v_r].
   layout (architecture `DFlowDrafterForCausalLM`, our tensor names, same sharding rules) and
   records taps, block size, mask token and the target it belongs to;
 - flow-off drafters are served natively by TensorRT-LLM's PyTorch back end from z-lab's DFlash HF
-  layout (see `dflash_layout.py`); `llm_api_config` writes the LLM-API options for that;
+  layout (written by `hf_drafter.py`); `llm_api_config` writes the LLM-API options for that;
 - `build_engines` runs `trtllm-build` where `tensorrt_llm` and a GPU exist, else raises
   `EngineBuildUnavailable` naming the command to run on a GPU host.
 """
@@ -21,10 +21,8 @@ is split per part: rank r holds [q_r; k_r; v_r].
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import shlex
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -32,6 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..atomic import atomic_dir
+from ..backends.tensorrt_llm import engine_build_available
 from ..drafter.model import DFlowDrafter
 from ..errors import UserError
 from ..targets.hf_target import HFTarget
@@ -251,23 +250,14 @@ class EngineBuildUnavailable(RuntimeError):
 def engine_build_commands(ckpt_dir: Path, engine_dir: Path, block_size: int, tp_size: int,
                           max_batch_size: int = 8, max_seq_len: int = 4096) -> list[list[str]]:
     """trtllm-build for the target with speculative-verify settings: draft tokens fed in from outside
-    (max draft length = block - 1) and the tap hidden states gathered for the drafter."""
+    (max draft length = block - 1), and the logits of every context and verified position gathered
+    (`--gather_*_logits`). The engine returns no tap hidden states: those flags gather logits only."""
     return [["trtllm-build", "--checkpoint_dir", str(ckpt_dir), "--output_dir", str(engine_dir),
              "--gemm_plugin", "auto", "--use_paged_context_fmha", "enable",
              "--speculative_decoding_mode", "draft_tokens_external", "--max_draft_len", str(block_size - 1),
              "--gather_generation_logits", "--gather_context_logits",
              "--max_batch_size", str(max_batch_size), "--max_seq_len", str(max_seq_len),
              "--workers", str(tp_size)]]
-
-
-def engine_build_available() -> tuple[bool, str]:
-    if importlib.util.find_spec("tensorrt_llm") is None:
-        return False, "tensorrt_llm is not installed"
-    if not torch.cuda.is_available():
-        return False, "no CUDA GPU is visible"
-    if shutil.which("trtllm-build") is None:
-        return False, "trtllm-build is not on PATH"
-    return True, ""
 
 
 def build_engines(commands: list[list[str]]) -> None:

@@ -7,9 +7,9 @@ embedded smollm2-135m and its shipped drafters); tests and deployments write var
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
+
+from ..atomic import atomic_dir
 
 MODELS = ("dflow", "dflow_bls", "target", "drafter")
 
@@ -111,16 +111,12 @@ def config_text(model: str, params: dict[str, str]) -> str:
 def write_repository(dest: str | Path, overrides: dict[str, dict[str, str]] | None = None,
                      models: tuple[str, ...] = MODELS) -> Path:
     """Write a complete repository at dest (atomically: built aside, then renamed into place)."""
-    dest = Path(dest)
     overrides = overrides or {}
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent if dest.parent.exists() else None))
-    for m in models:
-        (tmp / m / "1").mkdir(parents=True)
-        (tmp / m / "config.pbtxt").write_text(config_text(m, {**DEFAULTS[m], **overrides.get(m, {})}))
-        (tmp / m / "1" / "model.py").write_text(
-            f'"""Triton Python-backend entry for the `{m}` model; the logic lives in dflow_trt.serving."""\n\n'
-            f"from dflow_trt.serving.triton_python import {_ENTRY[m]} as TritonPythonModel  # noqa: F401\n")
-    if dest.exists():
-        shutil.rmtree(dest)
-    tmp.rename(dest)
-    return dest
+    with atomic_dir(dest) as tmp:
+        for m in models:
+            (tmp / m / "1").mkdir(parents=True)
+            (tmp / m / "config.pbtxt").write_text(config_text(m, {**DEFAULTS[m], **overrides.get(m, {})}))
+            (tmp / m / "1" / "model.py").write_text(
+                f'"""Triton Python-backend entry for the `{m}` model; the logic lives in dflow_trt.serving."""\n\n'
+                f"from dflow_trt.serving.triton_python import {_ENTRY[m]} as TritonPythonModel  # noqa: F401\n")
+    return Path(dest)

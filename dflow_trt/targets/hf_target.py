@@ -109,10 +109,6 @@ class HFTarget:
     def lm_head(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight  # [V, H]
 
-    @property
-    def final_norm(self) -> torch.nn.Module:
-        return self.model.model.norm
-
     def with_taps(self, tap_layers: tuple[int, ...]) -> "HFTarget":
         """Same weights, other tap layers (a drafter decides which layers it reads)."""
         t = object.__new__(HFTarget)

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
+from ..atomic import atomic_dir
 from ..errors import UserError
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -46,17 +45,10 @@ def ensure_checkpoint(cache_dir: Path | None = None) -> Path:
     if (out / _COMPLETE).is_file():
         return out
     src = gguf_path()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{CACHE_SUBDIR}-", dir=out.parent))
-    try:
+    # replaces an incomplete earlier attempt; processes converting at once each finish their own copy
+    with atomic_dir(out, sweep=False) as tmp:
         _convert(src, tmp)
         (tmp / _COMPLETE).write_text(src.name + "\n")
-        if out.exists():  # an incomplete earlier attempt
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -16,12 +16,12 @@ trained on the first ones.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
+from ..atomic import write_text
 from ..decoding.loop import generate
 from ..errors import UserError
 from ..targets.hf_target import HFTarget, tokenizer_fingerprint
@@ -82,7 +82,7 @@ def generate_dataset(target: HFTarget, out_dir: Path, num_prompts: int, max_new_
     todo = [i for i in range(n_shards) if not _shard_done(out_dir / shards[i], chunks[i], target.tokenizer)]
     manifest = {**settings, "shards": shards,
                 "sources": sorted({p["source"] for p in prompts})}
-    _atomic_write(manifest_path, json.dumps(manifest, indent=1))
+    write_text(manifest_path, json.dumps(manifest, indent=1))
     bar = tqdm(total=len(prompts), initial=len(prompts) - sum(len(chunks[i]) for i in todo), desc="generating", unit="seq")
     for i in todo:
         chunk = chunks[i]
@@ -94,7 +94,7 @@ def generate_dataset(target: HFTarget, out_dir: Path, num_prompts: int, max_new_
             for p, pid, rid in zip(batch, ids, res.token_ids):
                 lines.append(json.dumps({"id": p["id"], "source": p["source"], "prompt_ids": pid, "response_ids": rid}))
             bar.update(len(batch))
-        _atomic_write(out_dir / shards[i], "\n".join(lines) + "\n")
+        write_text(out_dir / shards[i], "\n".join(lines) + "\n")
     bar.close()
     return out_dir
 
@@ -112,12 +112,6 @@ def _shard_done(path: Path, chunk: list[dict], tokenizer) -> bool:
         raise UserError(f"{path} was generated from other prompts than this version's prompt set (another "
                         f"dflow_trt or Python version?); use another --data-dir or delete the data set")
     return len(rows) == len(chunk)  # the short last shard of a smaller data set is regenerated whole
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def load_dataset(data_dir: Path, target: HFTarget) -> tuple[list[Sequence], list[Sequence]]:

@@ -6,7 +6,7 @@ target's tap states at every position, blocks at anchors L_i are laid side by si
 never another block. Output k of a block predicts the token at L_i + k (k >= 1), weighted
 exp(-(k-1)/gamma).
 
-Self-conditioned DFlow (DESIGN.md §1): (1) the drafter predicts each block without flow; (2) the
+Self-conditioned DFlow: (1) the drafter predicts each block without flow; (2) the
 frozen target runs on [x_L, d_1..d_{S-1}] against the cached prefix K/V — every block in one
 batched pass with a 4D mask (prefix < L_i, causal inside the block) — which gives the verifier's
 states at the predicted positions and the accepted length a; (3) the next round's block starts at

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -24,9 +23,10 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 from transformers import DynamicCache
 
+from ..atomic import atomic_file, write_text
 from ..errors import UserError
 from ..targets.hf_target import HFTarget
-from .data import _atomic_write, load_dataset
+from .data import load_dataset
 
 DIRNAME, FORMAT, DTYPE = "states", 1, torch.bfloat16
 
@@ -49,7 +49,7 @@ def build_states(target: HFTarget, data_dir: Path, max_len: int, kv: bool = True
     if mpath.exists() and {k: v for k, v in json.loads(mpath.read_text()).items() if k in settings} != settings:
         raise UserError(f"{out} holds states made with other settings (target, tap layers, max_len or K/V); "
                         f"delete it to rebuild")
-    _atomic_write(mpath, json.dumps({**settings, "shards": [_states_file(s) for s in shards]}, indent=1))
+    write_text(mpath, json.dumps({**settings, "shards": [_states_file(s) for s in shards]}, indent=1))
     by_shard: dict[str, list] = {}
     for s in train + heldout:
         by_shard.setdefault(s.shard, []).append(s)
@@ -75,11 +75,9 @@ def build_states(target: HFTarget, data_dir: Path, max_len: int, kv: bool = True
                     tensors[f"kv.{s.id}"] = torch.stack([torch.stack([la.keys[b, :, : lens[b]], la.values[b, :, : lens[b]]])
                                                          for la in cache.layers])
             bar.update(len(group))
-        final = out / _states_file(shard)
-        tmp = final.with_name(f".{final.name}.tmp")
-        save_file({k: v.to(DTYPE).cpu().contiguous() for k, v in tensors.items()}, tmp,
-                  metadata={"data_sha256": _digest(data_dir / shard)})
-        os.replace(tmp, final)
+        with atomic_file(out / _states_file(shard)) as tmp:
+            save_file({k: v.to(DTYPE).cpu().contiguous() for k, v in tensors.items()}, tmp,
+                      metadata={"data_sha256": _digest(data_dir / shard)})
     bar.close()
     return out
 
