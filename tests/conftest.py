@@ -224,3 +224,33 @@ def assert_greedy_equivalent(target, prompt, got, want, stop_token_ids=(), max_n
         raise AssertionError(f"after the tie at position {i}, output ended after {len(got)} tokens with no stop token "
                              f"(max new tokens {max_new_tokens})")
     return i
+
+
+# ---- drafters that really draft (tests/doubles.py): real DFlowDrafter folders, made once per session
+
+
+@pytest.fixture(scope="session")
+def varied_drafters(tiny_qwen3, tmp_path_factory):
+    """{mode: (model, folder)}: seeded untrained drafters scaled so their drafts vary with context."""
+    from doubles import varied_drafter
+    from dflow_trt.drafter.io import save_drafter
+
+    root = tmp_path_factory.mktemp("varied_drafters")
+    out = {}
+    for mode in ("dflash", "dflow"):
+        model = varied_drafter(tiny_qwen3, flow=mode == "dflow")
+        out[mode] = (model, save_drafter(model, root / mode))
+    return out
+
+
+@pytest.fixture(scope="session")
+def good_drafters(tiny_qwen3, tmp_path_factory):
+    """{mode: folder}: drafters trained by `dflow_trt.training` on tiny-qwen3's greedy continuations of
+    the test prompts (DFlash, then DFlow started from it)."""
+    from doubles import GOOD_DFLASH_STEPS, GOOD_DFLOW_STEPS, train_good, write_dataset
+
+    root = tmp_path_factory.mktemp("good_drafters")
+    data = write_dataset(tiny_qwen3, root / "data")
+    dflash = train_good(data, root / "dflash", "dflash", GOOD_DFLASH_STEPS)
+    dflow = train_good(data, root / "dflow", "dflow", GOOD_DFLASH_STEPS + GOOD_DFLOW_STEPS, init_from=str(dflash))
+    return {"dflash": dflash, "dflow": dflow}

@@ -101,3 +101,47 @@ def test_serving_engine_on_onnxruntime_build(tiny_qwen3, tmp_path):
     with pytest.raises(UserError, match="built for target 'tiny-qwen3'"):
         DecodingEngine(ServeConfig(target="tiny-llama", backend="onnxruntime", build_dir=str(tmp_path / "b")),
                        log=lambda m: None)
+
+
+def test_ort_drafters_that_really_draft_tiny_qwen3(tiny_qwen3, good_drafters, varied_drafters, tmp_path):
+    """Real drafter folders (tests/doubles.py) exported to ONNX: greedy dflash and dflow on ONNX
+    Runtime equal `ar` and the torch back end (tokens and acceptance lengths) for 4 prompts at once
+    and blocks 4 and 8. The good drafters commit several tokens per round (τ >= 1.5; partial, full
+    and rejected rounds; hints taken in dflow); the varied one drafts many distinct tokens, almost
+    all rejected, a few accepted."""
+    from doubles import GOOD_TEXTS, DraftSpy, prompt_ids, rounds
+    from dflow_trt.drafter.io import load_drafter
+    from dflow_trt.export.onnx_drafter import export_drafter
+
+    ort_target = OrtTarget(exported_target(tiny_qwen3))
+    prompts = [prompt_ids(tiny_qwen3, t, True) for t in GOOD_TEXTS[:4]]
+    ar = generate(tiny_qwen3, None, prompts, "ar", 48).token_ids
+    models = {("good", m): load_drafter(f, tiny_qwen3) for m, f in good_drafters.items()}
+    models.update({("varied", m): v[0] for m, v in varied_drafters.items()})
+    for (kind, mode), model in models.items():
+        folder = export_drafter(model, tmp_path / f"{kind}-{mode}")
+        seen, taus, hints, drafts, accepted, verified = rounds([], 8), [], 0, set(), 0, 0
+        for S in (4, 8):
+            spy = DraftSpy(TorchDrafter(model, S))
+            ref = generate(tiny_qwen3, spy, prompts, mode, 48)
+            got = generate(ort_target, OrtDrafter(folder, S), prompts, mode, 48)
+            assert ref.token_ids == ar and got.token_ids == ar, (kind, mode, S)
+            assert got.acceptance_lengths == ref.acceptance_lengths, (kind, mode, S)
+            assert got.hints_taken == ref.hints_taken
+            counts = rounds(got.acceptance_lengths, S)
+            seen += counts
+            taus.append(got.tau)
+            hints += got.hints_taken
+            drafts |= set(spy.drafts)
+            accepted += sum(a - 1 for row in got.acceptance_lengths for a in row)
+            verified += got.verified_drafts
+            if kind == "good":
+                assert counts["partial"] and counts["full"] and counts["rejected"], (mode, S, counts)
+        print(f"\n{kind} {mode}: tau {taus} rounds {dict(seen)} hints {hints}")
+        if kind == "good":
+            assert min(taus) >= 1.5, (mode, taus)
+            assert hints > 0 or mode == "dflash"
+        else:
+            print(f"  {len(drafts)} distinct draft tokens, {accepted} of {verified} verified drafts accepted")
+            assert len(drafts) >= 20, len(drafts)  # not a constant drafter (the untrained one: 1)
+            assert 0 < accepted < 0.1 * verified, (accepted, verified)
