@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from dflow_trt.cli import main
 from dflow_trt.drafter.defaults import untrained_config
 from dflow_trt.drafter.io import build_drafter, save_drafter
+from dflow_trt.targets.tiny import build_tiny
 
 T = ["--target", "tiny-qwen3"]
 GEN = ["generate", *T, "--prompt", "hello", "--max-new-tokens", "4"]
@@ -45,8 +46,9 @@ def bad(tmp_path_factory, tiny_qwen3):
     """Broken target checkpoints and drafter folders, by name."""
     root = tmp_path_factory.mktemp("bad")
     ck = root / "ckpt"
-    tiny_qwen3.model.save_pretrained(ck)
-    tiny_qwen3.tokenizer.save_pretrained(ck)
+    model, tokenizer = build_tiny("qwen3")  # its own copy: save_pretrained rewrites the config of what it saves
+    model.save_pretrained(ck)
+    tokenizer.save_pretrained(ck)
 
     def target(name, edit):
         shutil.copytree(ck, root / name)

@@ -71,7 +71,8 @@ class Served:
     def note_shm(self) -> None:
         for p in self.stubs():
             args = _cmdline(p).split("\0")
-            self.shm.add(args[2])
+            if len(args) > 2:  # the stub's command line names its shared-memory region third
+                self.shm.add(args[2])
 
     def stop(self, sig=signal.SIGTERM) -> tuple[float, int, str]:
         t0 = time.time()
@@ -419,9 +420,9 @@ def test_sigterm_during_start_up_stops_within_seconds(small_repo):
     s = Served(repo, tmp / "startup", wait=False)
     try:
         deadline = time.time() + 60
-        while time.time() < deadline and not s.stubs():  # the model is loading in its stub
+        while time.time() < deadline and not (s.stubs() and s.shm):  # the model is loading in its stub
+            s.note_shm()  # a stub just forked may not show its command line yet: look again
             time.sleep(0.05)
-        s.note_shm()
         assert s.stubs() and s.shm
         took, rc, err = s.stop()
         assert rc == 0 and took < STOP_S and "ready:" not in err and "stopped" in err, (took, rc, err)
