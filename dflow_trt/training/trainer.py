@@ -9,7 +9,6 @@ Under `torchrun` each process trains on its own shard of sequences and DDP avera
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -25,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from ..atomic import claim_dir, write_bytes
+from ..atomic import atomic_file, claim_dir
 from ..drafter.defaults import untrained_config
 from ..drafter.io import build_drafter, load_drafter, save_drafter
 from ..drafter.model import DFlowDrafter
@@ -277,9 +276,8 @@ def _gather_states(rng_state, gen_state, distributed: bool, world: int) -> list:
 
 
 def _save_ckpt(path: Path, payload: dict) -> None:
-    buf = io.BytesIO()
-    torch.save(payload, buf)
-    write_bytes(path, buf.getvalue())
+    with atomic_file(path) as tmp:  # straight to disk: no second in-memory copy of the checkpoint
+        torch.save(payload, tmp)
 
 
 CKPT_KEYS = {"config", "world", "step", "log", "drafter", "optimizer", "rng", "gen"}
