@@ -95,16 +95,18 @@ def _add_hint_trust(p: argparse.ArgumentParser, server: bool = False) -> None:
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from .decoding.loop import generate
+    from .decoding.options import DecodeOptions
     from .decoding.sampling import SamplingParams
     from .backends.loading import load_backends
     from .prompting import check_prompt, encode_prompts
 
     check_prompt(a.prompt)  # sizes are checked by argparse, the context once the prompt is tokenized
     sampling = SamplingParams(a.temperature, a.top_p, a.top_k, a.seed)
-    target, drafter = load_backends(a.target, a.drafter, a.mode, a.backend, a.build_dir, a.block_size)
+    options = DecodeOptions(mode=a.mode, max_new_tokens=a.max_new_tokens, sampling=sampling, block_size=a.block_size,
+                            verify_threshold=a.verify_threshold, hint_trust=a.hint_trust, alternatives=a.alternatives)
+    target, drafter = load_backends(a.target, a.drafter, a.mode, a.backend, a.build_dir)
     prompt_ids = encode_prompts(target, [a.prompt], a.chat, a.max_new_tokens, ["--prompt"])[0]
-    res = generate(target, drafter, [prompt_ids], a.mode, a.max_new_tokens, sampling,
-                   verify_threshold=a.verify_threshold, hint_trust=a.hint_trust, alternatives=a.alternatives)
+    res = generate(target, drafter, [prompt_ids], options)
     ids = res.token_ids[0]
     text = target.tokenizer.decode(ids, skip_special_tokens=True)
     if a.json:
@@ -113,7 +115,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             "acceptance_lengths": res.acceptance_lengths[0], "tau": res.tau, "tokens_per_s": res.tokens_per_s,
             "rounds": res.rounds, "prefill_s": res.prefill_s, "draft_s": res.draft_s, "verify_s": res.verify_s,
             "total_s": res.total_s, "finish_reason": res.finish_reasons[0],
-            "block_size": drafter.block_size if drafter else 1, "backend": a.backend}))
+            "block_size": (a.block_size or drafter.block_size) if drafter else 1, "backend": a.backend}))
     else:
         print(text)
         print(f"[{a.mode}] tau={res.tau:.2f} tokens/s={res.tokens_per_s:.1f} rounds={res.rounds}", file=sys.stderr)

@@ -41,7 +41,8 @@ class OracleDrafter:
         self.sequences, self.block_size = sequences, block_size
         self.flows = []  # every FlowState it was given, for bookkeeping checks
 
-    def new_state(self, batch_size, generator=None):
+    def new_state(self, batch_size, generator=None, block_size=None):
+        assert block_size in (None, self.block_size), "a fixed-block test double"
         return None
 
     def draft(self, state, context_taps, context_lens, anchor_ids, anchor_pos, flow, sampler, verify_threshold=0.0):
@@ -113,7 +114,8 @@ class CloseDrafter:
         self.model, self.block_size, self.uses_flow, self.t = model, block_size, uses_flow, temperature
         self.prompt = list(prompt)
 
-    def new_state(self, batch_size, generator=None):
+    def new_state(self, batch_size, generator=None, block_size=None):
+        assert block_size in (None, self.block_size), "a fixed-block test double"
         return {"seqs": [list(self.prompt) for _ in range(batch_size)], "drafts": None, "pos": None, "gen": generator}
 
     @torch.no_grad()
@@ -156,16 +158,16 @@ class HintSpy:
     """Counts the drafts the loop's real `take_hints` replaced (it still does the work)."""
 
     def __init__(self, monkeypatch):
-        import dflow_trt.decoding.loop as loop
+        import dflow_trt.decoding.policy as policy
 
-        self.taken, real = 0, loop.take_hints
+        self.taken, real = 0, policy.take_hints
 
         def spy(prop, flow, trust):
             out = real(prop, flow, trust)
             self.taken += int((out.draft_ids != prop.draft_ids).sum())
             return out
 
-        monkeypatch.setattr(loop, "take_hints", spy)
+        monkeypatch.setattr(policy, "take_hints", spy)
 
 
 # ------------------------------------------------------------------ tie-aware greedy comparison

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 
 from dflow_trt.decoding.loop import generate
+
+from dflow_trt.decoding.options import DecodeOptions
 from dflow_trt.drafter.defaults import untrained_config
 from dflow_trt.drafter.io import build_drafter
 from dflow_trt.prompting import encode_prompt
@@ -68,7 +70,7 @@ def write_dataset(target, out: Path, texts=GOOD_TEXTS, max_new_tokens: int = DAT
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = [prompt_ids(target, t, True) for t in texts]
-    res = generate(target, None, prompts, "ar", max_new_tokens)
+    res = generate(target, None, prompts, DecodeOptions(mode="ar", max_new_tokens=max_new_tokens))
     rows = [json.dumps({"id": i + 1, "source": "doubles", "prompt_ids": p, "response_ids": r})
             for i, (p, r) in enumerate(zip(prompts, res.token_ids))]
     (out / "shard-0000.jsonl").write_text("\n".join(rows) + "\n")
@@ -130,7 +132,7 @@ def rounds(acceptance_lengths, block_size: int) -> collections.Counter:
 # ---------------------------------------------------------------- BLS, locally
 
 
-def local_bls(drafters: dict[str, str], mode: str, block_size: int):
+def local_bls(drafters: dict[str, str], mode: str):
     """(RemoteTarget, RemoteDrafter) of the BLS layout over in-process `target` and `drafter`
     services loaded as the server loads them: the same code path as `dflow_bls`, without Triton."""
     from dflow_trt.serving.bls import RemoteDrafter, RemoteTarget
@@ -157,7 +159,7 @@ def local_bls(drafters: dict[str, str], mode: str, block_size: int):
         return {n: out[n] for n in names}
 
     info = RemoteDrafter.available(remote)[mode]
-    return RemoteTarget(remote), RemoteDrafter(remote, mode, info, block_size)
+    return RemoteTarget(remote), RemoteDrafter(remote, mode, info)
 
 
 # ---------------------------------------------------------------- statistics

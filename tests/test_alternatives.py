@@ -7,7 +7,9 @@ import torch
 from conftest import PROMPTS_TEXT, OracleDrafter, chat_ids
 from dflow_trt.decoding.acceptance import accept_alternative
 from dflow_trt.decoding.interfaces import Proposal
-from dflow_trt.decoding.loop import alternative_counts, generate
+from dflow_trt.decoding.loop import generate
+from dflow_trt.decoding.policy import alternative_counts
+from dflow_trt.decoding.options import DecodeOptions
 from dflow_trt.decoding.sampling import SamplingParams
 from dflow_trt.drafter.defaults import untrained_config
 from dflow_trt.drafter.io import build_drafter
@@ -50,38 +52,32 @@ class RunnerUpOracle(OracleDrafter):
 def test_alternatives_are_lossless_batched_and_single(tiny_qwen3, S, threshold):
     prompts, max_new = _prompts(tiny_qwen3, 5), 32
     # rows done early keep drafting while the batch finishes: the reference runs well past max_new
-    ar_long = [generate(tiny_qwen3, None, [p], "ar", 4 * max_new, stop_token_ids=()).token_ids[0] for p in prompts]
+    ar_long = [generate(tiny_qwen3, None, [p], DecodeOptions(mode="ar", max_new_tokens=4 * max_new, stop_token_ids=())).token_ids[0] for p in prompts]
     ar = [a[:max_new] for a in ar_long]
     seqs = [p + a for p, a in zip(prompts, ar_long)]
     for mode in ("dflash", "dflow"):
         d = RunnerUpOracle(seqs, S, tiny_qwen3.info.vocab_size)
-        res = generate(tiny_qwen3, d, prompts, mode, max_new, stop_token_ids=(), verify_threshold=threshold,
-                       alternatives=4)
+        res = generate(tiny_qwen3, d, prompts, DecodeOptions(mode=mode, max_new_tokens=max_new, stop_token_ids=(), verify_threshold=threshold, alternatives=4))
         assert res.token_ids == ar, (mode, S, threshold)
         assert res.alternatives_taken > 0
-        single = [generate(tiny_qwen3, RunnerUpOracle([s], S, tiny_qwen3.info.vocab_size, seed=i), [p], mode,
-                           max_new, stop_token_ids=(), verify_threshold=threshold, alternatives=4).token_ids[0]
+        single = [generate(tiny_qwen3, RunnerUpOracle([s], S, tiny_qwen3.info.vocab_size, seed=i), [p], DecodeOptions(mode=mode, max_new_tokens=max_new, stop_token_ids=(), verify_threshold=threshold, alternatives=4)).token_ids[0]
                   for i, (s, p) in enumerate(zip(seqs, prompts))]
         assert single == ar
         # the same drafts without alternatives: same tokens, fewer per round
-        chain = generate(tiny_qwen3, RunnerUpOracle(seqs, S, tiny_qwen3.info.vocab_size), prompts, mode, max_new,
-                         stop_token_ids=(), verify_threshold=threshold)
+        chain = generate(tiny_qwen3, RunnerUpOracle(seqs, S, tiny_qwen3.info.vocab_size), prompts, DecodeOptions(mode=mode, max_new_tokens=max_new, stop_token_ids=(), verify_threshold=threshold))
         assert chain.token_ids == ar and chain.alternatives_taken == 0
         assert chain.tau < res.tau
-        mixed = generate(tiny_qwen3, RunnerUpOracle(seqs, S, tiny_qwen3.info.vocab_size, seed=7, per_row_conf=True),
-                         prompts, mode, max_new, stop_token_ids=(), verify_threshold=max(threshold, 0.05),
-                         alternatives=4)
+        mixed = generate(tiny_qwen3, RunnerUpOracle(seqs, S, tiny_qwen3.info.vocab_size, seed=7, per_row_conf=True), prompts, DecodeOptions(mode=mode, max_new_tokens=max_new, stop_token_ids=(), verify_threshold=max(threshold, 0.05), alternatives=4))
         assert mixed.token_ids == ar and mixed.alternatives_taken > 0
 
 
 def test_untrained_drafter_with_alternatives_is_lossless(tiny_qwen3):
     prompts, max_new = _prompts(tiny_qwen3, 4), 24
-    ar = generate(tiny_qwen3, None, prompts, "ar", max_new, stop_token_ids=()).token_ids
+    ar = generate(tiny_qwen3, None, prompts, DecodeOptions(mode="ar", max_new_tokens=max_new, stop_token_ids=())).token_ids
     for flow, mode in ((False, "dflash"), (True, "dflow")):
         d = TorchDrafter(build_drafter(tiny_qwen3, untrained_config(tiny_qwen3, flow=flow, block_size=8)))
         for threshold in (0.0, 0.01):
-            res = generate(tiny_qwen3, d, prompts, mode, max_new, stop_token_ids=(), verify_threshold=threshold,
-                           alternatives=7)
+            res = generate(tiny_qwen3, d, prompts, DecodeOptions(mode=mode, max_new_tokens=max_new, stop_token_ids=(), verify_threshold=threshold, alternatives=7))
             assert res.token_ids == ar, (mode, threshold)
 
 
@@ -90,12 +86,11 @@ def test_shipped_drafters_with_alternatives_are_lossless(smollm2):
     from dflow_trt.drafter.defaults import load_target_and_drafter
 
     prompts, max_new = _prompts(smollm2, 4), 32
-    ar = generate(smollm2, None, prompts, "ar", max_new, stop_token_ids=()).token_ids
+    ar = generate(smollm2, None, prompts, DecodeOptions(mode="ar", max_new_tokens=max_new, stop_token_ids=())).token_ids
     for mode in ("dflash", "dflow"):
         target, model = load_target_and_drafter("smollm2-135m", None, mode, target=smollm2)
         for S in (4, 16):
-            res = generate(target, TorchDrafter(model, S), prompts, mode, max_new, stop_token_ids=(),
-                           verify_threshold=0.05, alternatives=7)
+            res = generate(target, TorchDrafter(model), prompts, DecodeOptions(block_size=S, mode=mode, max_new_tokens=max_new, stop_token_ids=(), verify_threshold=0.05, alternatives=7))
             assert res.token_ids == ar, (mode, S)
             assert res.alternatives_taken > 0  # the shipped drafters' runner-ups do get accepted
 
@@ -141,7 +136,7 @@ def test_tree_needs_sdpa_attention_and_a_refused_tree_leaves_the_cache_usable(ti
     p = _prompts(tiny_qwen3, 1)
     d = TorchDrafter(build_drafter(eager, untrained_config(eager, flow=False, block_size=4)))
     with pytest.raises(UserError, match="chains only"):
-        generate(eager, d, p, "dflash", 4, alternatives=2)
+        generate(eager, d, p, DecodeOptions(mode="dflash", max_new_tokens=4, alternatives=2))
 
     ids, lens = torch.tensor(p), torch.tensor([len(p[0])])
     cache, _ = tiny_qwen3.prefill(ids, lens)
@@ -174,12 +169,12 @@ def test_alternatives_bad_input(tiny_qwen3):
     p = _prompts(tiny_qwen3, 1)
     d = TorchDrafter(build_drafter(tiny_qwen3, untrained_config(tiny_qwen3, flow=False, block_size=4)))
     with pytest.raises(UserError, match="greedy"):
-        generate(tiny_qwen3, d, p, "dflash", 4, SamplingParams(temperature=1.0), alternatives=2)
+        generate(tiny_qwen3, d, p, DecodeOptions(mode="dflash", max_new_tokens=4, sampling=SamplingParams(temperature=1.0), alternatives=2))
     with pytest.raises(UserError, match="alternatives must be in"):
-        generate(tiny_qwen3, d, p, "dflash", 4, alternatives=99)
+        generate(tiny_qwen3, d, p, DecodeOptions(mode="dflash", max_new_tokens=4, alternatives=99))
 
     class ChainOnly:  # a back end without tree verification (as ONNX Runtime's)
         info, tokenizer, supports_tree = tiny_qwen3.info, None, False
 
     with pytest.raises(UserError, match="chains only"):
-        generate(ChainOnly(), d, p, "dflash", 4, alternatives=2)
+        generate(ChainOnly(), d, p, DecodeOptions(mode="dflash", max_new_tokens=4, alternatives=2))

@@ -8,6 +8,7 @@ import pytest
 from conftest import PROMPTS_TEXT, chat_ids
 from dflow_trt.backends.loading import load_backends
 from dflow_trt.decoding.loop import generate
+from dflow_trt.decoding.options import DecodeOptions
 from dflow_trt.export.build import Build, BuildSpec
 
 
@@ -64,10 +65,10 @@ def test_load_backends_onnxruntime_equals_torch(built):
     m = json.loads((out / "manifest.json").read_text())
     drafter = m["drafters"]["dflow"]["path"]
     for mode in ("ar", "dflow"):
-        t_torch, d_torch = load_backends("tiny-qwen3", drafter, mode, "torch", block_size=4)
-        t_ort, d_ort = load_backends("tiny-qwen3", drafter, mode, "onnxruntime", str(out), block_size=4,
+        t_torch, d_torch = load_backends("tiny-qwen3", drafter, mode, "torch")
+        t_ort, d_ort = load_backends("tiny-qwen3", drafter, mode, "onnxruntime", str(out),
                                      log=lambda msg: None)
         prompts = [chat_ids(t_torch, t) for t in PROMPTS_TEXT[:2]]
-        a = generate(t_torch, d_torch, prompts, mode, 16, stop_token_ids=())
-        b = generate(t_ort, d_ort, prompts, mode, 16, stop_token_ids=())
+        a = generate(t_torch, d_torch, prompts, DecodeOptions(block_size=4 if mode != "ar" else None, mode=mode, max_new_tokens=16, stop_token_ids=()))
+        b = generate(t_ort, d_ort, prompts, DecodeOptions(block_size=4 if mode != "ar" else None, mode=mode, max_new_tokens=16, stop_token_ids=()))
         assert a.token_ids == b.token_ids

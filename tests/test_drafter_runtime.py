@@ -5,7 +5,7 @@ import torch
 
 from conftest import PROMPTS_TEXT, chat_ids
 from dflow_trt.decoding.flow import carry_flow
-from dflow_trt.decoding.loop import verify_lengths
+from dflow_trt.decoding.policy import verify_lengths
 from dflow_trt.decoding.sampling import SamplingParams
 from dflow_trt.drafter.defaults import load_target_and_drafter
 from dflow_trt.drafter.runtime import TorchDrafter, draft_spans
@@ -30,13 +30,13 @@ def _drafts(mode, threshold, batch=2):
     n = min(map(len, ids))
     ids = torch.tensor([p[:n] for p in ids])
     cache, out = target.prefill(ids, torch.full((batch,), n))
-    d = TorchDrafter(model, 16)
+    d = TorchDrafter(model)
     flow = None
     if mode == "dflow":  # as if the last round verified 16 positions and accepted 2 (row 0) / 5 (row 1)
         block = torch.randint(0, target.info.vocab_size, (batch, 16))
         taps = torch.randn(batch, 16, out.taps.shape[-1])
         flow = carry_flow(block, taps, block.roll(1, 1), torch.tensor([2, 5][:batch]))
-    st = d.new_state(batch)
+    st = d.new_state(batch, block_size=16)
     return d.draft(st, out.taps, torch.full((batch,), n), ids[:, -1], torch.full((batch,), n), flow,
                    SamplingParams(), threshold)
 

@@ -17,6 +17,7 @@ import pytest
 
 from doubles import GOOD_TEXTS, TARGET, chi_square_gof, exact_prefix_probs, local_bls, prompt_ids, rounds
 from dflow_trt.decoding.loop import generate
+from dflow_trt.decoding.options import DecodeOptions
 from dflow_trt.decoding.sampling import SamplingParams
 from dflow_trt.drafter.defaults import load_target_and_drafter
 from dflow_trt.drafter.runtime import TorchDrafter
@@ -57,7 +58,7 @@ def ar_ref(tiny_qwen3):
 
     def ref(text, n):
         if (text, n) not in cache:
-            cache[text, n] = generate(tiny_qwen3, None, [prompt_ids(tiny_qwen3, text, True)], "ar", n).token_ids[0]
+            cache[text, n] = generate(tiny_qwen3, None, [prompt_ids(tiny_qwen3, text, True)], DecodeOptions(mode="ar", max_new_tokens=n)).token_ids[0]
         return cache[text, n]
 
     return ref
@@ -132,13 +133,14 @@ def test_sampled_request_equals_a_local_run_with_its_seed(server, tiny_qwen3, go
     for mode in ("dflash", "dflow"):
         if model == "dflow":
             target, drafter_model = load_target_and_drafter(TARGET, str(good_drafters[mode]), mode, warn=lambda m: None)
-            drafter = TorchDrafter(drafter_model, S)
+            drafter = TorchDrafter(drafter_model)
         else:
-            target, drafter = local_bls({m: str(p) for m, p in good_drafters.items()}, mode, S)
+            target, drafter = local_bls({m: str(p) for m, p in good_drafters.items()}, mode)
         for seed in (1, 2, 3):
             got = generate_grpc(server.grpc_url, model, prompt=text, mode=mode, max_tokens=32, block_size=S, chat=True,
                                 temperature=0.8, top_k=8, seed=seed)
-            local = generate(target, drafter, [ids], mode, 32, SamplingParams(0.8, top_k=8, seed=seed))
+            local = generate(target, drafter, [ids], DecodeOptions(
+                mode=mode, max_new_tokens=32, block_size=S, sampling=SamplingParams(0.8, top_k=8, seed=seed)))
             assert got.token_ids == local.token_ids[0], (model, mode, seed)
             assert got.stats["acceptance_lengths"] == local.acceptance_lengths[0]
             seen += rounds(got.stats["acceptance_lengths"], S)

@@ -10,6 +10,7 @@ import torch
 
 from conftest import GREEDY_TIE_RTOL, OracleDrafter, assert_greedy_equivalent, chat_prompts, teacher_forced_logits
 from dflow_trt.decoding.loop import generate
+from dflow_trt.decoding.options import DecodeOptions
 from dflow_trt.drafter.defaults import untrained_config
 from dflow_trt.drafter.io import build_drafter
 from dflow_trt.drafter.runtime import TorchDrafter
@@ -28,11 +29,11 @@ def _one_thread():
 
 def _ar(target, prompts, n, stop=()):
     """Each prompt's own single-row greedy decode (our loop, mode ar)."""
-    return [generate(target, None, [p], "ar", n, stop_token_ids=stop).token_ids[0] for p in prompts]
+    return [generate(target, None, [p], DecodeOptions(mode="ar", max_new_tokens=n, stop_token_ids=stop)).token_ids[0] for p in prompts]
 
 
 def _untrained(target, flow, S):
-    return TorchDrafter(build_drafter(target, untrained_config(target, flow=flow, block_size=S, num_layers=1)), S)
+    return TorchDrafter(build_drafter(target, untrained_config(target, flow=flow, block_size=S, num_layers=1)))
 
 
 class PartlyRight:
@@ -45,8 +46,8 @@ class PartlyRight:
         self.block_size, self.uses_flow = real.block_size, real.uses_flow
         self.gen = torch.Generator().manual_seed(seed)
 
-    def new_state(self, batch_size, generator=None):
-        return self.real.new_state(batch_size, generator)
+    def new_state(self, batch_size, generator=None, block_size=None):
+        return self.real.new_state(batch_size, generator, block_size)
 
     def draft(self, state, context_taps, context_lens, anchor_ids, anchor_pos, flow, sampler, verify_threshold=0.0):
         prop = self.real.draft(state, context_taps, context_lens, anchor_ids, anchor_pos, flow, sampler,
@@ -157,7 +158,7 @@ def test_batched_rows_stop_on_eos_at_different_rounds(request, name):
     prompts, max_new, S = chat_prompts(target, 5), 40, 8
     assert len({len(p) for p in prompts}) == 5  # different lengths: left padding differs by row
     # without stop tokens and past max_new (for the oracle), batched; each row's single-row decode is below
-    ar_free = generate(target, None, prompts, "ar", max_new + 2 * S, stop_token_ids=()).token_ids
+    ar_free = generate(target, None, prompts, DecodeOptions(mode="ar", max_new_tokens=max_new + 2 * S, stop_token_ids=())).token_ids
     # row 0 stops on its first token (before any round), rows 1-3 later, row 4 runs to the length
     stops, pos = _pick_stops(ar_free, max_new, {0: 0, 1: 5, 2: 14, 3: 27})
     assert pos[4] is None and None not in pos[:4] and len(set(pos[:4])) == 4, pos
@@ -175,7 +176,7 @@ def test_batched_rows_stop_on_eos_at_different_rounds(request, name):
         configs += [(mode, OracleDrafter(seqs, S), "oracle"), (mode, PartlyRight(real, seqs, seed=1), "partly")]
     for mode, drafter, kind in configs:
         rec = Rounds()
-        res = generate(target, drafter, prompts, mode, max_new, stop_token_ids=stops, on_round=rec)
+        res = generate(target, drafter, prompts, DecodeOptions(mode=mode, max_new_tokens=max_new, stop_token_ids=stops), on_round=rec)
         ties = [assert_greedy_equivalent(target, prompts[b], res.token_ids[b], ref[b], stops, max_new)
                 for b in range(5)]  # the structure below assumes no row took a tie (none does on the CPU)
         assert res.finish_reasons == reasons, (kind, mode, ties)
@@ -241,7 +242,7 @@ def test_decode_across_kv_buffer_reallocation(tiny_qwen3, monkeypatch):
     layers = target.info.num_layers
     for mode, drafter, kind in configs:
         spy.grows.clear()
-        res = generate(target, drafter, prompts, mode, max_new, stop_token_ids=())
+        res = generate(target, drafter, prompts, DecodeOptions(mode=mode, max_new_tokens=max_new, stop_token_ids=()))
         for b, p in enumerate(prompts):
             assert_greedy_equivalent(target, p, res.token_ids[b], ref[b][:max_new], max_new_tokens=max_new)
         # every layer's buffer was reallocated mid-decode: full, past the prompt, grown by about half
@@ -279,7 +280,7 @@ def fp8_refs(fp8_target, tiny_qwen3):
 
 def test_fp8_batched_ar_equals_single_rows(fp8_target, fp8_refs):
     prompts, n, _, ar_long = fp8_refs
-    res = generate(fp8_target, None, prompts, "ar", n, stop_token_ids=())
+    res = generate(fp8_target, None, prompts, DecodeOptions(mode="ar", max_new_tokens=n, stop_token_ids=()))
     for b, p in enumerate(prompts):
         assert_greedy_equivalent(fp8_target, p, res.token_ids[b], ar_long[b][:n], max_new_tokens=n)
 
@@ -292,7 +293,7 @@ def test_fp8_speculative_equals_fp8_ar(fp8_target, fp8_refs, mode):
     real = _untrained(target, mode == "dflow", S)
     for kind, drafter in (("oracle", OracleDrafter(seqs, S)), ("untrained", real),
                           ("partly", PartlyRight(real, seqs, seed=3))):
-        res = generate(target, drafter, prompts, mode, n, stop_token_ids=())
+        res = generate(target, drafter, prompts, DecodeOptions(mode=mode, max_new_tokens=n, stop_token_ids=()))
         for b, p in enumerate(prompts):
             assert_greedy_equivalent(target, p, res.token_ids[b], ar_long[b][:n], max_new_tokens=n)
         flat = [a for row in res.acceptance_lengths for a in row]

@@ -5,6 +5,7 @@ import torch
 
 from conftest import HintSpy, OracleDrafter, chat_prompts
 from dflow_trt.decoding.loop import generate
+from dflow_trt.decoding.options import DecodeOptions
 from dflow_trt.drafter.defaults import untrained_config
 from dflow_trt.drafter.io import build_drafter
 from dflow_trt.drafter.runtime import TorchDrafter
@@ -15,7 +16,7 @@ BLOCKS = (2, 4, 8, 16)
 def _check_target(target, max_new, blocks=BLOCKS):
     prompts = chat_prompts(target)
     # the reference runs a block past max_new so the oracle can propose full blocks to the end
-    ar_long = [generate(target, None, [p], "ar", max_new + 16, stop_token_ids=()).token_ids[0] for p in prompts]
+    ar_long = [generate(target, None, [p], DecodeOptions(mode="ar", max_new_tokens=max_new + 16, stop_token_ids=())).token_ids[0] for p in prompts]
     ar = [a[:max_new] for a in ar_long]
     # the ar path itself equals transformers' own greedy generate
     ref = target.model.generate(torch.tensor([prompts[0]], device=target.device), max_new_tokens=max_new, do_sample=False,
@@ -28,11 +29,11 @@ def _check_target(target, max_new, blocks=BLOCKS):
             modes = ("dflash", "dflow") if flow else ("dflash",)
             for mode in modes:
                 # worst case: seeded untrained drafter, nearly every draft rejected; all rows in one batch
-                res = generate(target, TorchDrafter(untrained, S), prompts, mode, max_new, stop_token_ids=())
+                res = generate(target, TorchDrafter(untrained), prompts, DecodeOptions(block_size=S, mode=mode, max_new_tokens=max_new, stop_token_ids=()))
                 assert res.token_ids == ar, (mode, S, flow)
                 # best case: drafts are the target's own continuation; full blocks accepted
                 oracle = OracleDrafter(seqs, S)
-                res = generate(target, oracle, prompts, mode, max_new, stop_token_ids=())
+                res = generate(target, oracle, prompts, DecodeOptions(mode=mode, max_new_tokens=max_new, stop_token_ids=()))
                 assert res.token_ids == ar, ("oracle", mode, S)
                 assert res.tau == S
                 if mode == "dflow":
@@ -52,12 +53,11 @@ def test_verifier_hints_are_lossless(tiny_qwen3, monkeypatch, S):
     """DFlow with every consistent hint taken (trust 1), batched rows: still the target's tokens."""
     spy = HintSpy(monkeypatch)
     prompts, max_new = chat_prompts(tiny_qwen3, 6), 40
-    ar = [generate(tiny_qwen3, None, [p], "ar", max_new, stop_token_ids=()).token_ids[0] for p in prompts]
-    d = TorchDrafter(build_drafter(tiny_qwen3, untrained_config(tiny_qwen3, flow=True, block_size=S)), S)
+    ar = [generate(tiny_qwen3, None, [p], DecodeOptions(mode="ar", max_new_tokens=max_new, stop_token_ids=())).token_ids[0] for p in prompts]
+    d = TorchDrafter(build_drafter(tiny_qwen3, untrained_config(tiny_qwen3, flow=True, block_size=S)))
     for threshold in (0.0, 0.3):
         before = spy.taken
-        res = generate(tiny_qwen3, d, prompts, "dflow", max_new, stop_token_ids=(), verify_threshold=threshold,
-                       hint_trust=1.0)
+        res = generate(tiny_qwen3, d, prompts, DecodeOptions(mode="dflow", max_new_tokens=max_new, stop_token_ids=(), verify_threshold=threshold, hint_trust=1.0))
         assert res.token_ids == ar, (S, threshold)
         assert res.hints_taken <= spy.taken - before  # only the drafts sent to the target count
     assert spy.taken > 0
@@ -65,28 +65,28 @@ def test_verifier_hints_are_lossless(tiny_qwen3, monkeypatch, S):
     # result counts all that take_hints replaced (shortened or batched runs count fewer: unsent drafts)
     before, counted = spy.taken, 0
     for p in prompts:
-        counted += generate(tiny_qwen3, d, [p], "dflow", max_new, stop_token_ids=(), hint_trust=1.0).hints_taken
+        counted += generate(tiny_qwen3, d, [p], DecodeOptions(mode="dflow", max_new_tokens=max_new, stop_token_ids=(), hint_trust=1.0)).hints_taken
     assert counted == spy.taken - before > 0
 
 
 def test_single_row_equals_batched(tiny_qwen3):
     prompts = chat_prompts(tiny_qwen3, 4)
     d = TorchDrafter(build_drafter(tiny_qwen3, untrained_config(tiny_qwen3, flow=True, block_size=4)))
-    batched = generate(tiny_qwen3, d, prompts, "dflow", 20, stop_token_ids=())
-    single = [generate(tiny_qwen3, d, [p], "dflow", 20, stop_token_ids=()).token_ids[0] for p in prompts]
+    batched = generate(tiny_qwen3, d, prompts, DecodeOptions(mode="dflow", max_new_tokens=20, stop_token_ids=()))
+    single = [generate(tiny_qwen3, d, [p], DecodeOptions(mode="dflow", max_new_tokens=20, stop_token_ids=())).token_ids[0] for p in prompts]
     assert batched.token_ids == single
 
 
 def test_stop_tokens_and_max_new_tokens(tiny_qwen3):
     p = chat_prompts(tiny_qwen3, 1)
-    ar = generate(tiny_qwen3, None, p, "ar", 30, stop_token_ids=()).token_ids[0]
+    ar = generate(tiny_qwen3, None, p, DecodeOptions(mode="ar", max_new_tokens=30, stop_token_ids=())).token_ids[0]
     stop = ar[7]
     first = ar.index(stop)
     d = TorchDrafter(build_drafter(tiny_qwen3, untrained_config(tiny_qwen3, flow=True, block_size=8)))
     for mode, dr in (("ar", None), ("dflow", d), ("dflow", OracleDrafter([p[0] + ar], 8))):
-        res = generate(tiny_qwen3, dr, p, mode, 30, stop_token_ids=(stop,))
+        res = generate(tiny_qwen3, dr, p, DecodeOptions(mode=mode, max_new_tokens=30, stop_token_ids=(stop,)))
         assert res.token_ids[0] == ar[: first + 1] and res.finish_reasons == ["stop"]
-        res = generate(tiny_qwen3, dr, p, mode, 5, stop_token_ids=())
+        res = generate(tiny_qwen3, dr, p, DecodeOptions(mode=mode, max_new_tokens=5, stop_token_ids=()))
         assert res.token_ids[0] == ar[:5] and res.finish_reasons == ["length"]
 
 
@@ -103,8 +103,8 @@ class _Unsure:
         self.block_size, self.uses_flow = inner.block_size, inner.uses_flow
         self.flow_sizes = []
 
-    def new_state(self, batch_size, generator=None):
-        return self.inner.new_state(batch_size, generator)
+    def new_state(self, batch_size, generator=None, block_size=None):
+        return self.inner.new_state(batch_size, generator, block_size)
 
     def draft(self, state, context_taps, context_lens, anchor_ids, anchor_pos, flow, sampler, verify_threshold=0.0):
         from dflow_trt.decoding.interfaces import Proposal
@@ -120,23 +120,23 @@ class _Unsure:
 def test_shortened_verify_is_lossless(tiny_qwen3, S):
     """Verifying only the drafts the drafter is sure of changes cost, never tokens."""
     prompts, max_new = chat_prompts(tiny_qwen3, 4), 32
-    ar_long = [generate(tiny_qwen3, None, [p], "ar", max_new + 16, stop_token_ids=()).token_ids[0] for p in prompts]
+    ar_long = [generate(tiny_qwen3, None, [p], DecodeOptions(mode="ar", max_new_tokens=max_new + 16, stop_token_ids=())).token_ids[0] for p in prompts]
     ar = [a[:max_new] for a in ar_long]
     untrained = build_drafter(tiny_qwen3, untrained_config(tiny_qwen3, flow=True, block_size=S))
-    for inner in (TorchDrafter(untrained, S), OracleDrafter([p + a for p, a in zip(prompts, ar_long)], S)):
+    for inner in (TorchDrafter(untrained), OracleDrafter([p + a for p, a in zip(prompts, ar_long)], S)):
         for mode in ("dflash", "dflow"):
             d = _Unsure(inner)
-            res = generate(tiny_qwen3, d, prompts, mode, max_new, stop_token_ids=(), verify_threshold=0.5)
+            res = generate(tiny_qwen3, d, prompts, DecodeOptions(mode=mode, max_new_tokens=max_new, stop_token_ids=(), verify_threshold=0.5))
             assert res.token_ids == ar, (type(inner).__name__, mode, S)
             n_rounds = sum(len(a) for a in res.acceptance_lengths)
             assert n_rounds <= res.verified_drafts < n_rounds * (S - 1)  # shortened, never empty
             assert all(n == S for n in d.flow_sizes)  # flow always covers a whole next block
-            full = generate(tiny_qwen3, inner, prompts, mode, max_new, stop_token_ids=())
+            full = generate(tiny_qwen3, inner, prompts, DecodeOptions(mode=mode, max_new_tokens=max_new, stop_token_ids=()))
             assert full.verified_drafts == sum(len(a) for a in full.acceptance_lengths) * (S - 1)
 
 
 def test_verify_length_rule():
-    from dflow_trt.decoding.loop import verify_lengths
+    from dflow_trt.decoding.policy import verify_lengths
 
     conf = torch.tensor([[0.9, 0.9, 0.5, 0.9], [0.6, 0.2, 0.9, 0.9]])  # cumprod: .9 .81 .405 .36 / .6 .12 ..
     assert verify_lengths(conf, 0.4).tolist() == [3, 1]
@@ -153,13 +153,12 @@ def test_smollm2_shipped_drafters_lossless(smollm2, monkeypatch):
 
     spy = HintSpy(monkeypatch)
     prompts = chat_prompts(smollm2, 3)
-    ar = [generate(smollm2, None, [p], "ar", 32, stop_token_ids=()).token_ids[0] for p in prompts]
+    ar = [generate(smollm2, None, [p], DecodeOptions(mode="ar", max_new_tokens=32, stop_token_ids=())).token_ids[0] for p in prompts]
     for mode in ("dflash", "dflow"):
         target, model = load_target_and_drafter("smollm2-135m", None, mode, target=smollm2)
         for S in (4, 16):
             for threshold in (0.0, 0.05):
-                res = generate(target, TorchDrafter(model, S), prompts, mode, 32, stop_token_ids=(),
-                               verify_threshold=threshold)
+                res = generate(target, TorchDrafter(model), prompts, DecodeOptions(block_size=S, mode=mode, max_new_tokens=32, stop_token_ids=(), verify_threshold=threshold))
                 assert res.token_ids == ar, (mode, S, threshold)
                 assert res.tau > 1.0  # some drafts were accepted
     assert spy.taken > 0  # the hints were exercised

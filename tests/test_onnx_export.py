@@ -87,11 +87,11 @@ def test_drafter_graph_random_inputs(tiny_qwen3, flow):
 def test_drafter_rounds_match_torch_drafter(tiny_qwen3, flow):
     """Several rounds of ragged context appends, with and without flow: same drafts, close logits."""
     model, folder = exported_drafter(tiny_qwen3, flow, num_layers=2 if flow else 1)
-    td, od = TorchDrafter(model, 6), OrtDrafter(folder, 6)
+    td, od = TorchDrafter(model), OrtDrafter(folder)
     od.check_target(tiny_qwen3.info)
     B, F, V = 3, model.config.feature_size, tiny_qwen3.info.vocab_size
     g = torch.Generator().manual_seed(1)
-    sa, sb = td.new_state(B), od.new_state(B)
+    sa, sb = td.new_state(B, block_size=6), od.new_state(B, block_size=6)
     lens = torch.zeros(B, dtype=torch.long)
     for r, new in enumerate([[5, 9, 1], [1, 6, 3], [6, 1, 2], [2, 2, 6]]):
         n = torch.tensor(new)

@@ -9,6 +9,7 @@ from onnx_cache import exported_drafter, exported_target
 from dflow_trt.backends.onnxruntime import OrtDrafter, OrtTarget
 from dflow_trt.decoding.interfaces import Proposal
 from dflow_trt.decoding.loop import generate
+from dflow_trt.decoding.options import DecodeOptions
 from dflow_trt.drafter.runtime import TorchDrafter
 from dflow_trt.errors import UserError
 
@@ -31,13 +32,13 @@ def _prompts(target, n):
 
 
 def _check_lossless(target, ort_target, drafters, prompts, max_new, blocks):
-    ar = generate(target, None, prompts, "ar", max_new, stop_token_ids=())
-    assert generate(ort_target, None, prompts, "ar", max_new, stop_token_ids=()).token_ids == ar.token_ids
+    ar = generate(target, None, prompts, DecodeOptions(mode="ar", max_new_tokens=max_new, stop_token_ids=()))
+    assert generate(ort_target, None, prompts, DecodeOptions(mode="ar", max_new_tokens=max_new, stop_token_ids=())).token_ids == ar.token_ids
     for flow, (model, folder) in drafters.items():
         for S in blocks:
             for mode in ("dflash", "dflow") if flow else ("dflash",):
-                ref = generate(target, TorchDrafter(model, S), prompts, mode, max_new, stop_token_ids=())
-                got = generate(ort_target, OrtDrafter(folder, S), prompts, mode, max_new, stop_token_ids=())
+                ref = generate(target, TorchDrafter(model), prompts, DecodeOptions(block_size=S, mode=mode, max_new_tokens=max_new, stop_token_ids=()))
+                got = generate(ort_target, OrtDrafter(folder), prompts, DecodeOptions(block_size=S, mode=mode, max_new_tokens=max_new, stop_token_ids=()))
                 assert ref.token_ids == ar.token_ids, (mode, S)
                 assert got.token_ids == ref.token_ids, (mode, S)
                 assert got.acceptance_lengths == ref.acceptance_lengths, (mode, S)
@@ -50,13 +51,13 @@ def test_ort_lossless_tiny_qwen3(tiny_qwen3):
     prompts = _prompts(tiny_qwen3, 4)
     ar = _check_lossless(tiny_qwen3, ort_target, drafters, prompts, 32, blocks=(2, 8, 16))
     for p in prompts[:2]:  # one row at a time too (exact crops, no holes)
-        one = generate(ort_target, OrtDrafter(drafters[True][1], 4), [p], "dflow", 32, stop_token_ids=())
+        one = generate(ort_target, OrtDrafter(drafters[True][1]), [p], DecodeOptions(block_size=4, mode="dflow", max_new_tokens=32, stop_token_ids=()))
         assert one.token_ids[0] == ar.token_ids[prompts.index(p)]
     # mixed acceptance across rows: the validity-mask cache with holes, on both targets
-    seqs = [p + generate(tiny_qwen3, None, [p], "ar", 48, stop_token_ids=()).token_ids[0] for p in prompts]
+    seqs = [p + generate(tiny_qwen3, None, [p], DecodeOptions(mode="ar", max_new_tokens=48, stop_token_ids=())).token_ids[0] for p in prompts]
     for mode in ("dflash", "dflow"):
-        a = generate(tiny_qwen3, NoisyOracle(seqs, 8, tiny_qwen3.info.vocab_size), prompts, mode, 32, stop_token_ids=())
-        b = generate(ort_target, NoisyOracle(seqs, 8, tiny_qwen3.info.vocab_size), prompts, mode, 32, stop_token_ids=())
+        a = generate(tiny_qwen3, NoisyOracle(seqs, 8, tiny_qwen3.info.vocab_size), prompts, DecodeOptions(mode=mode, max_new_tokens=32, stop_token_ids=()))
+        b = generate(ort_target, NoisyOracle(seqs, 8, tiny_qwen3.info.vocab_size), prompts, DecodeOptions(mode=mode, max_new_tokens=32, stop_token_ids=()))
         assert a.token_ids == b.token_ids == ar.token_ids
         assert a.acceptance_lengths == b.acceptance_lengths and a.tau > 2
 
@@ -89,7 +90,7 @@ def test_serving_engine_on_onnxruntime_build(tiny_qwen3, tmp_path):
                             log=lambda m: None)
     assert set(engine.modes) == {"ar", "dflash", "dflow"}
     prompt = "def add(a, b):"
-    ar = generate(tiny_qwen3, None, [encode_prompt(tiny_qwen3.tokenizer, prompt, False)], "ar", 16).token_ids[0]
+    ar = generate(tiny_qwen3, None, [encode_prompt(tiny_qwen3.tokenizer, prompt, False)], DecodeOptions(mode="ar", max_new_tokens=16)).token_ids[0]
     for mode in ("ar", "dflash", "dflow"):
         chunks = []
         req = engine.parse({"text_input": np.array([prompt.encode()], dtype=object),
@@ -115,16 +116,16 @@ def test_ort_drafters_that_really_draft_tiny_qwen3(tiny_qwen3, good_drafters, va
 
     ort_target = OrtTarget(exported_target(tiny_qwen3))
     prompts = [prompt_ids(tiny_qwen3, t, True) for t in GOOD_TEXTS[:4]]
-    ar = generate(tiny_qwen3, None, prompts, "ar", 48).token_ids
+    ar = generate(tiny_qwen3, None, prompts, DecodeOptions(mode="ar", max_new_tokens=48)).token_ids
     models = {("good", m): load_drafter(f, tiny_qwen3) for m, f in good_drafters.items()}
     models.update({("varied", m): v[0] for m, v in varied_drafters.items()})
     for (kind, mode), model in models.items():
         folder = export_drafter(model, tmp_path / f"{kind}-{mode}")
         seen, taus, hints, drafts, accepted, verified = rounds([], 8), [], 0, set(), 0, 0
         for S in (4, 8):
-            spy = DraftSpy(TorchDrafter(model, S))
-            ref = generate(tiny_qwen3, spy, prompts, mode, 48)
-            got = generate(ort_target, OrtDrafter(folder, S), prompts, mode, 48)
+            spy = DraftSpy(TorchDrafter(model))
+            ref = generate(tiny_qwen3, spy, prompts, DecodeOptions(block_size=S, mode=mode, max_new_tokens=48))
+            got = generate(ort_target, OrtDrafter(folder), prompts, DecodeOptions(block_size=S, mode=mode, max_new_tokens=48))
             assert ref.token_ids == ar and got.token_ids == ar, (kind, mode, S)
             assert got.acceptance_lengths == ref.acceptance_lengths, (kind, mode, S)
             assert got.hints_taken == ref.hints_taken

@@ -22,9 +22,10 @@ import torch
 from scipy.stats import chisquare, norm
 
 from conftest import SMALL_VOCAB as V, CloseDrafter
-from dflow_trt.decoding import loop
+from dflow_trt.decoding import acceptance, policy
 from dflow_trt.decoding.acceptance import rejection_sample
 from dflow_trt.decoding.loop import generate
+from dflow_trt.decoding.options import DecodeOptions
 from dflow_trt.decoding.sampling import SamplingParams, processed_probs
 
 N, K = 1200, 10  # rows, generated tokens compared per row
@@ -81,7 +82,7 @@ class _Written(CloseDrafter):
     rebuilds each row's committed tokens from its own last drafts."""
 
     def attach(self, monkeypatch, spy: dict):
-        real = loop.take_hints
+        real = policy.take_hints
 
         def hints(prop, flow, trust):
             out = real(prop, flow, trust)
@@ -92,7 +93,7 @@ class _Written(CloseDrafter):
             self.state["drafts"] = out.draft_ids.tolist()
             return out
 
-        monkeypatch.setattr(loop, "take_hints", hints)
+        monkeypatch.setattr(policy, "take_hints", hints)
         return self
 
 
@@ -104,8 +105,7 @@ def _decode(target, mode, params, block=4, threshold=0.0, trust=0.5, drafter_t=1
         if mode == "dflow":
             drafter.attach(monkeypatch, spy)
     n = N_HINTS if trust == 1.0 else N
-    res = generate(target, drafter, [PROMPT] * n, mode, K, params, stop_token_ids=(), verify_threshold=threshold,
-                   hint_trust=trust)
+    res = generate(target, drafter, [PROMPT] * n, DecodeOptions(mode=mode, max_new_tokens=K, sampling=params, stop_token_ids=(), verify_threshold=threshold, hint_trust=trust))
     return res, spy
 
 
@@ -155,7 +155,7 @@ def test_speculative_sampling_is_the_target_distribution(target, monkeypatch, na
 
 def test_power_temperature(target):
     """A biased sampler of small effect: plain sampling at temperature 1.1 judged against 1.0."""
-    res = generate(target, None, [PROMPT] * N, "ar", K, SamplingParams(1.1, seed=9), stop_token_ids=())
+    res = generate(target, None, [PROMPT] * N, DecodeOptions(mode="ar", max_new_tokens=K, sampling=SamplingParams(1.1, seed=9), stop_token_ids=()))
     _reject(target, res.token_ids, SamplingParams(1.0))
 
 
@@ -188,13 +188,13 @@ def _bug_hint_keeps_drafter_probs(real):
 def test_power_planted_bugs(target, monkeypatch, bug):
     """Each plausible bug, planted alone into the real loop, is rejected by the same statistics."""
     if bug == "resample from target":
-        monkeypatch.setattr(loop, "rejection_sample", _bug_resample_from_target)
+        monkeypatch.setattr(acceptance, "rejection_sample", _bug_resample_from_target)
         name = "dflash T0.7"
     elif bug == "bonus from residual":
-        monkeypatch.setattr(loop, "rejection_sample", _bug_bonus_from_residual)
+        monkeypatch.setattr(acceptance, "rejection_sample", _bug_bonus_from_residual)
         name = "dflow threshold T1.2"
     else:
-        monkeypatch.setattr(loop, "take_hints", _bug_hint_keeps_drafter_probs(loop.take_hints))
+        monkeypatch.setattr(policy, "take_hints", _bug_hint_keeps_drafter_probs(policy.take_hints))
         name = "dflow hints T2"
     mode, params, block, threshold, trust, drafter_t = CASES[name]
     res, spy = _decode(target, mode, params, block, threshold, trust, drafter_t, monkeypatch)
@@ -221,7 +221,7 @@ def test_acceptance_rate_is_sum_min_p_q(target, monkeypatch):
         return prop
 
     drafter.draft = draft
-    res = generate(target, drafter, [PROMPT] * N, "dflash", K, params, stop_token_ids=())
+    res = generate(target, drafter, [PROMPT] * N, DecodeOptions(mode="dflash", max_new_tokens=K, sampling=params, stop_token_ids=()))
     ids = torch.tensor([PROMPT + r for r in res.token_ids], device=target.device)
     with torch.no_grad():
         probs = processed_probs(target.model(input_ids=ids).logits.float(), params).double().cpu()  # [N, T, V]
@@ -250,7 +250,7 @@ def test_sampling_over_onnxruntime_is_the_target_distribution(target, tmp_path_f
     drafter = _Written(target.model, 4, uses_flow=True, prompt=PROMPT)
     spy = {"taken": 0, "at": {}}
     drafter.attach(monkeypatch, spy)
-    res = generate(ort, drafter, [PROMPT] * N, "dflow", K, params, stop_token_ids=())
+    res = generate(ort, drafter, [PROMPT] * N, DecodeOptions(mode="dflow", max_new_tokens=K, sampling=params, stop_token_ids=()))
     flat = [a for row in res.acceptance_lengths for a in row]
     assert 1 in flat and 4 in flat, "rejections and full blocks must both occur"
     _check(target, res.token_ids, params)

@@ -9,6 +9,7 @@ from scipy.stats import chi2_contingency
 from conftest import CloseDrafter, HintSpy
 from dflow_trt.decoding.interfaces import Proposal
 from dflow_trt.decoding.loop import generate
+from dflow_trt.decoding.options import DecodeOptions
 from dflow_trt.decoding.sampling import SamplingParams
 from dflow_trt.drafter.defaults import untrained_config
 from dflow_trt.drafter.io import build_drafter
@@ -22,9 +23,8 @@ PROMPT = [1, 2, 3]
 
 def _samples(target, drafter, mode, params, block, verify_threshold=0.0, hint_trust=0.5):
     if drafter is not None and not isinstance(drafter, CloseDrafter):
-        drafter = TorchDrafter(drafter, block)
-    res = generate(target, drafter, [PROMPT] * N, mode, K, params, stop_token_ids=(), verify_threshold=verify_threshold,
-                   hint_trust=hint_trust)
+        drafter = TorchDrafter(drafter)
+    res = generate(target, drafter, [PROMPT] * N, DecodeOptions(block_size=block, mode=mode, max_new_tokens=K, sampling=params, stop_token_ids=(), verify_threshold=verify_threshold, hint_trust=hint_trust))
     return [tuple(r[:K]) for r in res.token_ids], res
 
 
@@ -59,18 +59,18 @@ def test_speculative_sampling_matches_ar(small_target, mode, block):
 def test_speculative_sampling_with_a_close_drafter_matches_ar(small_target, monkeypatch, mode, block, threshold, trust):
     """threshold > 0: rounds verify only a prefix of the drafts (the drafter's confidences decide).
     DFlow takes verifier hints (point-mass drafts); at trust 1 it takes every consistent one."""
-    import dflow_trt.decoding.loop as loop
+    import dflow_trt.decoding.policy as policy
 
     spy = HintSpy(monkeypatch)
     drafter = CloseDrafter(small_target.model, block, uses_flow=(mode == "dflow"), prompt=PROMPT)
-    counted = loop.take_hints
+    counted = policy.take_hints
 
     def hints_written_back(prop, flow, trust):  # the double rebuilds its context from what was proposed
         out = counted(prop, flow, trust)
         drafter.state["drafts"] = out.draft_ids.tolist()
         return out
 
-    monkeypatch.setattr(loop, "take_hints", hints_written_back)
+    monkeypatch.setattr(policy, "take_hints", hints_written_back)
     ar, _ = _samples(small_target, None, "ar", SamplingParams(1.0, 0.95, 12, seed=13), 1)
     spec, res = _samples(small_target, drafter, mode, SamplingParams(1.0, 0.95, 12, seed=17), block, threshold, trust)
     assert res.tau > 1.5, res.tau  # most drafts accepted: the accept path carries the distribution

@@ -15,6 +15,7 @@ import pytest
 from dflow_trt.backends.loading import load_backends
 from dflow_trt.decoding.flow import HINT_TRUST
 from dflow_trt.decoding.loop import generate
+from dflow_trt.decoding.options import DecodeOptions
 from dflow_trt.errors import UserError
 from dflow_trt.prompting import encode_prompt
 from dflow_trt.serving.client import _inputs, generate_grpc, generate_http, request_arrays
@@ -59,7 +60,7 @@ def tiny_reference():
             cache[key] = load_backends("tiny-qwen3", None, mode, "torch", None, block_size, log=lambda m: None)
         target, drafter = cache[key]
         ids = encode_prompt(target.tokenizer, prompt, False)
-        return generate(target, drafter, [ids], mode, max_tokens).token_ids[0]
+        return generate(target, drafter, [ids], DecodeOptions(mode=mode, max_new_tokens=max_tokens)).token_ids[0]
 
     return ref
 
@@ -92,7 +93,7 @@ def test_hint_trust_over_triton_reaches_the_loop(tiny_server, model):
     decode at the same trust takes (none at 0, more at 1 than at the default), with its tokens."""
     target, drafter = load_backends("tiny-qwen3", None, "dflow", "torch", None, 8, log=lambda m: None)
     ids = encode_prompt(target.tokenizer, PROMPTS[4], False)
-    local = {t: generate(target, drafter, [ids], "dflow", 40, hint_trust=t) for t in (0.0, HINT_TRUST, 1.0)}
+    local = {t: generate(target, drafter, [ids], DecodeOptions(mode="dflow", max_new_tokens=40, hint_trust=t)) for t in (0.0, HINT_TRUST, 1.0)}
     assert local[0.0].hints_taken == 0 < local[HINT_TRUST].hints_taken < local[1.0].hints_taken
     for trust, res in local.items():
         got = generate_grpc(tiny_server.grpc_url, model, prompt=PROMPTS[4], mode="dflow", max_tokens=40, block_size=8,
@@ -110,7 +111,7 @@ def test_alternatives_over_triton_reach_the_loop(tiny_server, model):
     target, drafter = load_backends("tiny-qwen3", None, "dflash", "torch", None, 4, log=lambda m: None)
     for prompt in PROMPTS[1:4]:
         ids = encode_prompt(target.tokenizer, prompt, False)
-        local = generate(target, drafter, [ids], "dflash", 24, alternatives=5)
+        local = generate(target, drafter, [ids], DecodeOptions(mode="dflash", max_new_tokens=24, alternatives=5))
         assert local.verified_drafts == (3 + 5) * local.rounds  # every round sends 3 drafts + 5 runner-ups
         got = generate_grpc(tiny_server.grpc_url, model, prompt=prompt, mode="dflash", max_tokens=24, block_size=4,
                             alternatives=5)

@@ -10,6 +10,7 @@ from torch import nn
 from conftest import chat_prompts
 from dflow_trt.backends import torch_cpu
 from dflow_trt.decoding.loop import generate
+from dflow_trt.decoding.options import DecodeOptions
 from dflow_trt.drafter.defaults import load_target_and_drafter
 from dflow_trt.drafter.runtime import TorchDrafter
 
@@ -154,12 +155,12 @@ def test_packed_decoding_is_lossless(tiny_qwen3):
     target, _ = load_target_and_drafter("tiny-qwen3", None, "ar", warn=lambda m: None)
     assert any(type(m) is torch_cpu.PackedLinear for m in target.model.modules())
     prompts = chat_prompts(target, 4)
-    ar = [generate(target, None, [p], "ar", 24, stop_token_ids=()).token_ids[0] for p in prompts]
+    ar = [generate(target, None, [p], DecodeOptions(mode="ar", max_new_tokens=24, stop_token_ids=())).token_ids[0] for p in prompts]
     for mode in ("dflash", "dflow"):
         t, model = load_target_and_drafter("tiny-qwen3", None, mode, warn=lambda m: None, target=target)
         assert any(type(m) is torch_cpu.PackedLinear for m in model.modules())
         for S in (3, 8):
-            res = generate(t, TorchDrafter(model, S), prompts, mode, 24, stop_token_ids=())
+            res = generate(t, TorchDrafter(model), prompts, DecodeOptions(block_size=S, mode=mode, max_new_tokens=24, stop_token_ids=()))
             assert res.token_ids == ar, (mode, S)
 
 
@@ -168,10 +169,10 @@ def test_packed_smollm2_shipped_drafters_lossless():
     """The default decoding set-up (packed target and drafters, real acceptances) equals greedy."""
     target, _ = load_target_and_drafter("smollm2-135m", None, "ar")
     prompts = chat_prompts(target, 3)
-    ar = [generate(target, None, [p], "ar", 32, stop_token_ids=()).token_ids[0] for p in prompts]
+    ar = [generate(target, None, [p], DecodeOptions(mode="ar", max_new_tokens=32, stop_token_ids=())).token_ids[0] for p in prompts]
     for mode in ("dflash", "dflow"):
         t, model = load_target_and_drafter("smollm2-135m", None, mode, target=target)
         for S, threshold in ((16, 0.0), (6, 0.0), (16, 0.05)):
-            res = generate(t, TorchDrafter(model, S), prompts, mode, 32, stop_token_ids=(), verify_threshold=threshold)
+            res = generate(t, TorchDrafter(model), prompts, DecodeOptions(block_size=S, mode=mode, max_new_tokens=32, stop_token_ids=(), verify_threshold=threshold))
             assert res.token_ids == ar, (mode, S, threshold)
             assert res.tau > 1.0

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from conftest import chat_ids, run_cli as _cli
 from dflow_trt.decoding.loop import generate
+from dflow_trt.decoding.options import DecodeOptions
 from dflow_trt.drafter.io import load_drafter
 from dflow_trt.drafter.runtime import TorchDrafter
 from dflow_trt.targets import load_target
@@ -66,7 +67,7 @@ def test_dataset_manifest_and_heldout(data_dir, tiny_qwen3):
     assert sorted(s["id"] for s in seqs) == list(range(48))
     # the responses are the target's own greedy continuations
     s = seqs[3]
-    ref = generate(tiny_qwen3, None, [s["prompt_ids"]], "ar", 24).token_ids[0]
+    ref = generate(tiny_qwen3, None, [s["prompt_ids"]], DecodeOptions(mode="ar", max_new_tokens=24)).token_ids[0]
     assert ref == s["response_ids"]
     # a second call with the same settings resumes (nothing to do) and leaves the shards untouched
     before = {p.name: p.stat().st_mtime_ns for p in data_dir.glob("shard-*.jsonl")}
@@ -117,9 +118,9 @@ def test_training_learns_and_decodes_losslessly(trained, objective, tiny_qwen3):
     target = tiny_qwen3.with_taps(tuple(cfg["tap_layers"]))
     drafter = load_drafter(out / "drafter", target)
     prompts = [chat_ids(target, "What is 12 plus 30?"), chat_ids(target, "Write a haiku about rain.")]
-    ar = generate(target, None, prompts, "ar", 24, stop_token_ids=()).token_ids
+    ar = generate(target, None, prompts, DecodeOptions(mode="ar", max_new_tokens=24, stop_token_ids=())).token_ids
     for S in (2, 4):
-        res = generate(target, TorchDrafter(drafter, S), prompts, objective, 24, stop_token_ids=())
+        res = generate(target, TorchDrafter(drafter), prompts, DecodeOptions(block_size=S, mode=objective, max_new_tokens=24, stop_token_ids=()))
         assert res.token_ids == ar, (objective, S)
 
 
@@ -301,7 +302,7 @@ def test_data_set_grows_and_a_run_resumes_on_it(tiny_qwen3, tmp_path):
     assert [len(shard(i)) for i in range(3)] == [16, 16, 8] and [s["id"] for s in shard(1)] == list(range(16, 32))
     assert shard(1)[:4] == short  # the same prompts in the same order: the same responses
     s = shard(2)[5]
-    assert generate(tiny_qwen3, None, [s["prompt_ids"]], "ar", 24).token_ids[0] == s["response_ids"]
+    assert generate(tiny_qwen3, None, [s["prompt_ids"]], DecodeOptions(mode="ar", max_new_tokens=24)).token_ids[0] == s["response_ids"]
     build_states(tiny_qwen3, data, max_len=400)  # rebuilds the regenerated shard's states, keeps shard 0's
     assert mtimes == {p.name: p.stat().st_mtime_ns for p in [data / "shard-0000.jsonl",
                                                              data / "states/shard-0000.safetensors"]}
@@ -399,8 +400,8 @@ def _assert_dflow_lossless(target, drafter_dir: Path) -> None:
     dr = TorchDrafter(load_drafter(drafter_dir, target))
     for prompt in ("def add(a, b):", "Explain gravity."):
         ids = chat_ids(target, prompt)
-        ref_ids = generate(target, None, [ids], "ar", 24).token_ids
-        assert generate(target, dr, [ids], "dflow", 24).token_ids == ref_ids
+        ref_ids = generate(target, None, [ids], DecodeOptions(mode="ar", max_new_tokens=24)).token_ids
+        assert generate(target, dr, [ids], DecodeOptions(mode="dflow", max_new_tokens=24)).token_ids == ref_ids
 
 
 def test_dflash_drafter_starts_a_dflow_run_unchanged(trained, data_dir, tiny_qwen3, tmp_path):

@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 
 from conftest import chat_ids
 from dflow_trt.decoding.loop import generate
+from dflow_trt.decoding.options import DecodeOptions
 from dflow_trt.drafter import runtime
 from dflow_trt.drafter.defaults import untrained_config
 from dflow_trt.drafter.io import build_drafter
@@ -52,7 +53,7 @@ def seqs(tiny_qwen3) -> list[tuple[list[int], int]]:
     out = []
     for text, n in PROMPTS:
         p = chat_ids(tiny_qwen3, text)
-        out.append((p + generate(tiny_qwen3, None, [p], "ar", n, stop_token_ids=()).token_ids[0], len(p)))
+        out.append((p + generate(tiny_qwen3, None, [p], DecodeOptions(mode="ar", max_new_tokens=n, stop_token_ids=())).token_ids[0], len(p)))
     return out
 
 
@@ -141,8 +142,8 @@ def _decode(target, drafter, seq: list[int], L: int, mode: str, rounds: int, pla
     class Spy:
         block_size, uses_flow = td.block_size, td.uses_flow
 
-        def new_state(self, batch_size, generator=None):
-            return td.new_state(batch_size, generator)
+        def new_state(self, batch_size, generator=None, block_size=None):
+            return td.new_state(batch_size, generator, block_size)
 
         def draft(self, state, ctx, ctx_lens, anchor, anchor_pos, flow, sampler, verify_threshold=0.0):
             rec.append({"anchor": int(anchor[0]), "pos": int(anchor_pos[0]), "flow": flow})
@@ -159,8 +160,7 @@ def _decode(target, drafter, seq: list[int], L: int, mode: str, rounds: int, pla
 
     with pytest.MonkeyPatch.context() as p:
         p.setattr(runtime, "propose", spy_propose)
-        res = generate(target, Spy(), [seq[:L]], mode, rounds * S + 1, stop_token_ids=(), hint_trust=0.0,
-                       on_round=lambda ev: ev.round >= rounds)
+        res = generate(target, Spy(), [seq[:L]], DecodeOptions(mode=mode, max_new_tokens=rounds * S + 1, stop_token_ids=(), hint_trust=0.0), on_round=lambda ev: ev.round >= rounds)
     assert rec[0]["anchor"] == seq[L], "the data is not the target's greedy output here"
     for r, a in zip(rec, res.acceptance_lengths[0]):
         r["accepted"] = a - 1

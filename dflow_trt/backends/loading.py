@@ -11,7 +11,7 @@ BACKENDS = ("torch", "onnxruntime")
 
 
 def load_backends(target_spec: str, drafter_path: str | None, mode: str, backend: str = "torch",
-                  build_dir: str | None = None, block_size: int | None = None,
+                  build_dir: str | None = None,
                   log=lambda m: print(m, file=sys.stderr)):
     """Return (target, drafter) implementing the decoding interfaces on `backend` (drafter None for ar).
 
@@ -25,7 +25,7 @@ def load_backends(target_spec: str, drafter_path: str | None, mode: str, backend
         raise UserError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
     if backend == "torch":
         target, model = load_target_and_drafter(target_spec, drafter_path, mode, warn=log)
-        return target, (TorchDrafter(model, block_size) if model is not None else None)
+        return target, (TorchDrafter(model) if model is not None else None)
 
     from ..drafter.defaults import shipped_drafter_path
     from ..export.build import Build, BuildSpec
@@ -46,6 +46,6 @@ def load_backends(target_spec: str, drafter_path: str | None, mode: str, backend
         if len(res["onnx_drafters"]) != 1:
             raise UserError(f"the build has no {mode} drafter; pass --drafter")
         label = next(iter(res["onnx_drafters"]))
-    drafter = OrtDrafter(res["onnx_drafters"][label], block_size)
+    drafter = OrtDrafter(res["onnx_drafters"][label])
     drafter.check_target(target.info)
     return target, drafter

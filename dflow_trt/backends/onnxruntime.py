@@ -20,7 +20,9 @@ import torch
 
 from ..decoding.interfaces import FlowState, Proposal, TargetInfo, TargetOutput
 from ..decoding.sampling import SamplingParams, propose
+from ..decoding.slots import close_block, open_block, prompt_slots
 from ..drafter.config import DrafterConfig
+from ..drafter.context import append_slots
 from ..errors import UserError
 from . import onnx_io
 
@@ -82,38 +84,26 @@ class OrtTarget:
     def prefill(self, input_ids: torch.Tensor, prompt_lens: torch.Tensor) -> tuple[OrtCache, TargetOutput]:
         B, T = input_ids.shape
         input_ids, prompt_lens = input_ids.cpu().long(), prompt_lens.cpu().long()
-        if (prompt_lens < 1).any() or (prompt_lens > T).any():
-            raise UserError("every prompt needs at least one token")
-        valid = torch.arange(T)[None, :] >= (T - prompt_lens)[:, None]  # [B, T]
-        pos = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
+        valid, pos = prompt_slots(prompt_lens, T)  # [B, T], [B, T]
         # the graph needs P >= 1: one masked dummy slot, dropped from the cache afterwards
         dummy = [np.zeros((B, self.num_kv_heads, 1, self.head_dim), np.float32)] * (2 * self.num_layers)
         out, present = self._run(input_ids, pos, torch.cat([valid.new_zeros(B, 1), valid], 1), dummy)
         cache = OrtCache(kv=[x[:, :, 1:] for x in present], valid=valid, next_pos=prompt_lens.clone())
         return cache, out
 
-    def verify(self, cache: OrtCache, block_ids: torch.Tensor) -> TargetOutput:
-        assert cache.pending == 0, "commit() the previous block before verifying the next"
-        B, S = block_ids.shape
-        pos = cache.next_pos[:, None] + torch.arange(S)  # [B, S]
-        cache.valid = torch.cat([cache.valid, cache.valid.new_ones(B, S)], dim=1)  # [B, P+S]
+    def verify(self, cache: OrtCache, block_ids: torch.Tensor, parents: torch.Tensor | None = None) -> TargetOutput:
+        if parents is not None:
+            raise UserError("the ONNX Runtime target verifies chains only, not token trees; "
+                            "set alternatives to 0 or use the PyTorch target")
+        pos = open_block(cache, block_ids.shape[1])  # [B, S]
         out, cache.kv = self._run(block_ids.cpu().long(), pos, cache.valid, cache.kv)
-        cache.pending = S
         return out
 
-    def commit(self, cache: OrtCache, num_kept: torch.Tensor) -> None:
-        S = cache.pending
-        num_kept = num_kept.cpu()
-        assert S > 0 and ((num_kept >= 1) & (num_kept <= S)).all()
-        keep = torch.arange(S)[None, :] < num_kept[:, None]  # [B, S]
-        cache.valid[:, -S:] = keep
-        cache.next_pos = cache.next_pos + num_kept
-        cache.pending = 0
-        # The one place the KV cache is cropped: drop trailing slots that no row uses.
-        used = int(cache.valid.any(dim=0).nonzero().max()) + 1
-        if cache.valid.shape[1] > used:
-            cache.kv = [x[:, :, :used] for x in cache.kv]
-            cache.valid = cache.valid[:, :used]
+    def commit(self, cache: OrtCache, num_kept: torch.Tensor, path: torch.Tensor | None = None) -> None:
+        assert path is None, "chains only (see verify)"
+        drop = close_block(cache, num_kept.cpu())
+        if drop > 0:
+            cache.kv = [x[:, :, :-drop] for x in cache.kv]
 
 
 # ---------------------------------------------------------------- drafter
@@ -121,23 +111,22 @@ class OrtTarget:
 
 @dataclass
 class OrtDrafterState:
-    k: list[np.ndarray]  # per layer [B, Hkv, cap, D]; row b's first lens[b] slots are its context
-    v: list[np.ndarray]
+    k: list[torch.Tensor]  # per layer [B, Hkv, cap, D]; row b's first lens[b] slots are its context
+    v: list[torch.Tensor]
     lens: torch.Tensor  # [B] valid context slots per row
+    block_size: int  # anchor + drafts, this request's
     generator: torch.Generator | None = None
 
 
 class OrtDrafter:
     """Drafter interface over `drafter.onnx` (exported by `export.onnx_drafter`)."""
 
-    def __init__(self, onnx_dir: str | Path, block_size: int | None = None, threads: int | None = None):
+    def __init__(self, onnx_dir: str | Path, threads: int | None = None):
         d = Path(onnx_dir)
         self.meta = m = _read_meta(d / onnx_io.DRAFTER_META, onnx_io.DRAFTER_KIND)
         self.config = c = DrafterConfig.from_dict(m["config"])
         self.session = _session(d / onnx_io.DRAFTER_GRAPH, threads)
-        self.block_size = block_size or c.block_size
-        if self.block_size < 2:
-            raise UserError(f"block size must be at least 2 (anchor + one draft), got {self.block_size}")
+        self.block_size = c.block_size  # the default; a request may ask for another
         self.uses_flow = c.flow
         vd = m["draft_vocab"]
         self.draft_vocab = torch.tensor(vd) if vd is not None else torch.arange(c.target.vocab_size)  # [Vd]
@@ -150,25 +139,19 @@ class OrtDrafter:
             raise UserError(f"drafter reads target layers {list(self.config.tap_layers)} but the target taps "
                             f"{list(info.tap_layers)}; export the target with the drafter's tap layers")
 
-    def new_state(self, batch_size: int, generator: torch.Generator | None = None) -> OrtDrafterState:
+    def new_state(self, batch_size: int, generator: torch.Generator | None = None,
+                  block_size: int | None = None) -> OrtDrafterState:
         c = self.config
-        empty = lambda: np.zeros((batch_size, c.num_kv_heads, 1, c.head_dim), np.float32)  # noqa: E731
+        empty = lambda: torch.zeros(batch_size, c.num_kv_heads, 1, c.head_dim)  # noqa: E731
         return OrtDrafterState(k=[empty() for _ in range(c.num_layers)], v=[empty() for _ in range(c.num_layers)],
-                               lens=torch.zeros(batch_size, dtype=torch.long), generator=generator)
+                               lens=torch.zeros(batch_size, dtype=torch.long), block_size=block_size or self.block_size,
+                               generator=generator)
 
     def _store(self, st: OrtDrafterState, new: list[np.ndarray], lens: torch.Tensor) -> None:
-        """Scatter row b's first lens[b] new K/V slots after its lens so far (TorchDrafter._append)."""
-        B, N = lens.shape[0], new[0].shape[2]
-        need = int((st.lens + lens).max())
-        rows, cols = (torch.arange(N)[None, :] < lens[:, None]).nonzero(as_tuple=True)
-        rows_np, cols_np, dest = rows.numpy(), cols.numpy(), (st.lens[rows] + cols).numpy()
+        """Append row b's first lens[b] new K/V slots ([B, Hkv, N, D] per layer, key then value)."""
         for i in range(self.config.num_layers):
-            for buf, val in ((st.k, new[2 * i]), (st.v, new[2 * i + 1])):
-                if buf[i].shape[2] < need:  # grow geometrically, so appends stay cheap
-                    grown = np.zeros((B, buf[i].shape[1], max(need, 2 * buf[i].shape[2]), buf[i].shape[3]), np.float32)
-                    grown[:, :, : buf[i].shape[2]] = buf[i]
-                    buf[i] = grown
-                buf[i][rows_np, :, dest] = val[rows_np, :, cols_np]
+            st.k[i] = append_slots(st.k[i], st.lens, torch.from_numpy(new[2 * i]), lens, dim=2)
+            st.v[i] = append_slots(st.v[i], st.lens, torch.from_numpy(new[2 * i + 1]), lens, dim=2)
         st.lens = st.lens + lens
 
     @torch.inference_mode()
@@ -176,7 +159,7 @@ class OrtDrafter:
               anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, flow: FlowState | None,
               sampler: SamplingParams, verify_threshold: float = 0.0) -> Proposal:
         # one graph call drafts the whole block; `verify_threshold` (may stop early) is not needed
-        c, S = self.config, self.block_size
+        c, S = self.config, state.block_size
         context_taps, context_lens = context_taps.cpu().float(), context_lens.cpu().long()
         B, N = context_taps.shape[:2]
         if N == 0:  # the graph needs N >= 1: one masked dummy row
@@ -200,7 +183,7 @@ class OrtDrafter:
             feeds += [flow.taps.cpu().float().contiguous().numpy(), flow.token_ids.cpu().long().numpy(),
                       flow.hint_ids.cpu().long().numpy(), flow.valid.cpu().bool().numpy()]
         for k, v in zip(st.k, st.v):
-            feeds += [np.ascontiguousarray(k[:, :, :C]), np.ascontiguousarray(v[:, :, :C])]
+            feeds += [k[:, :, :C].contiguous().numpy(), v[:, :, :C].contiguous().numpy()]
         logits, *new = self.session.run(None, dict(zip(self.input_names, feeds)))
         self._store(st, new, context_lens)
         return propose(torch.from_numpy(logits), self.draft_vocab, c.target.vocab_size, sampler, st.generator)

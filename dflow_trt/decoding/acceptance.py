@@ -7,7 +7,48 @@ each row commits `num_accepted + 1` tokens per round.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from .policy import Plan
+from .sampling import SamplingParams, pick, processed_probs
+
+
+@dataclass
+class Verdict:
+    """What a verified round keeps, per row."""
+
+    num_accepted: torch.Tensor  # [B] drafts kept (on the kept branch)
+    next_token: torch.Tensor  # [B] the recovered or bonus token: the next anchor
+    kept: torch.Tensor  # [B, K1] the kept branch's tokens; slots 0..num_accepted are committed
+    path: torch.Tensor | None = None  # [B, K1+A] verified slots in the kept branch's order (None: the chain)
+    took_alt: torch.Tensor | None = None  # [B] bool: rows that kept a first-draft alternative
+
+    def chain_accepted(self) -> torch.Tensor:
+        """[B] drafts of the chain accepted, as the flow sees them: a row that kept an alternative
+        counts as fully accepted (it carries nothing, the chain read draft 1 there)."""
+        if self.took_alt is None:
+            return self.num_accepted
+        return torch.where(self.took_alt, self.kept.shape[1] - 1, self.num_accepted)
+
+
+def judge(plan: Plan, logits: torch.Tensor, sampling: SamplingParams,
+          generator: torch.Generator | None) -> Verdict:
+    """The accept step: plan and the verify pass's logits [B, K1+A, V] -> Verdict."""
+    chain = plan.chain
+    B, K1 = chain.shape
+    if K1 == 1:  # plain decoding: the target's own token
+        return Verdict(chain.new_zeros(B), pick(logits[:, 0], sampling, generator), chain)
+    if not sampling.greedy:
+        n, nxt = rejection_sample(chain[:, 1:], plan.draft_probs, processed_probs(logits, sampling), generator,
+                                  plan.num_drafts)
+        return Verdict(n, nxt, chain)
+    n, nxt = greedy_accept(chain[:, 1:], logits[:, :K1], plan.num_drafts)
+    if plan.alts is None:
+        return Verdict(n, nxt, chain)
+    which = accept_alternative(plan.alts, logits[:, 0].argmax(-1), n, plan.num_alts)  # [B], -1: none
+    return take_alternative(chain, plan.alts, which, logits, n, nxt)
 
 
 def _proposed(draft_ids: torch.Tensor, num_drafts: torch.Tensor | None) -> torch.Tensor:
@@ -76,3 +117,19 @@ def rejection_sample(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_
     residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), target_at)
     next_token = torch.multinomial(residual, 1, generator=generator)[:, 0]
     return num_accepted, next_token
+
+
+def take_alternative(chain: torch.Tensor, alts: torch.Tensor, which: torch.Tensor, logits: torch.Tensor,
+                     num_accepted: torch.Tensor, next_token: torch.Tensor) -> Verdict:
+    """Rows with which[b] >= 0 keep [anchor, that alternative] and the target's token after it;
+    the others keep their chain verdict. chain [B, K1] (K1 >= 2), alts [B, A], logits [B, K1+A, V]."""
+    B, K1 = chain.shape
+    rows = which >= 0
+    slot = K1 + which.clamp(min=0)  # [B] the alternative's slot in the verified block
+    path = torch.arange(K1 + alts.shape[1], device=chain.device).repeat(B, 1)  # [B, K1+A]
+    path[:, 1] = torch.where(rows, slot, path[:, 1])  # only a row's first num_accepted+1 path slots are kept
+    kept = chain.clone()
+    kept[:, 1] = torch.where(rows, alts.gather(1, which.clamp(min=0)[:, None])[:, 0], kept[:, 1])
+    after = logits.gather(1, slot[:, None, None].expand(B, 1, logits.shape[-1]))[:, 0].argmax(-1)  # [B]
+    return Verdict(torch.where(rows, torch.ones_like(num_accepted), num_accepted),
+                   torch.where(rows, after, next_token), kept, path, rows)

@@ -40,12 +40,6 @@ def right_align(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     return x.gather(1, src.view(B, T, *([1] * (x.dim() - 2))).expand_as(x))
 
 
-def flow_prefix(valid: torch.Tensor) -> int:
-    """How many leading block slots [B, S] hold any row's flow (decoding's flow is a prefix)."""
-    cols = valid.any(0).nonzero()
-    return int(cols.max()) + 1 if len(cols) else 0
-
-
 # How often a consistent hint (below) names the target's token: 52% on held-out prompts of the
 # training sources with the shipped DFlow drafter, where replaying decodes put the best trust at
 # 0.4-0.5 (scripts/hint_stats.py, docs/hint_stats.json; never the eval sets). Also the confidence a
@@ -73,7 +67,7 @@ def take_hints(prop: Proposal, flow: FlowState, trust: float = HINT_TRUST) -> Pr
     B, K = ids.shape
     valid, seen, guess = (t.to(ids.device) for t in (flow.valid, flow.token_ids, flow.hint_ids))
     taken_conf = None if conf is None else conf.new_tensor(trust)
-    for k in range(2, min(K, flow_prefix(valid)) + 1):  # draft k sits at block position k, its guess at flow slot k-1
+    for k in range(2, min(K, flow.prefix()) + 1):  # draft k sits at block position k, its guess at flow slot k-1
         j = k - 1
         take = valid[:, j] & (seen[:, j] == ids[:, j - 1])  # [B]
         if conf is not None:

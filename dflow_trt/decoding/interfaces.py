@@ -38,6 +38,7 @@ class TargetOutput:
 
 class Target(Protocol):
     info: TargetInfo
+    supports_tree: bool  # verify takes any token tree; False: chains only (parents None)
 
     def prefill(self, input_ids: torch.Tensor, prompt_lens: torch.Tensor) -> tuple[Any, TargetOutput]:
         """Run left-padded prompts [B, T] (true lengths [B]); return (cache, output over all T).
@@ -45,25 +46,14 @@ class Target(Protocol):
         The cache then holds every prompt position; padding slots are masked for good.
         """
 
-    def verify(self, cache: Any, block_ids: torch.Tensor) -> TargetOutput:
-        """Append block_ids [B, S] at each row's next positions; return their logits and taps."""
-
-    def commit(self, cache: Any, num_kept: torch.Tensor) -> None:
-        """Keep the first num_kept[b] (>= 1) slots of the last verified block; drop the rest."""
-
-
-class TreeTarget(Target, Protocol):
-    """A target that also verifies a token tree (`supports_tree` True): the loop's first-draft
-    alternatives (`generate(..., alternatives=N)`) sit beside the chain, each a child of the anchor."""
-
-    supports_tree: bool
-
     def verify(self, cache: Any, block_ids: torch.Tensor, parents: torch.Tensor | None = None) -> TargetOutput:
-        """As `Target.verify`; `parents` [S] (parents[0] = -1, parents[i] < i) makes slot i attend
-        to its ancestors only, at position next_pos + its depth. None: a chain."""
+        """Append block_ids [B, S] at each row's next positions; return their logits and taps.
+        `parents` [S] (parents[0] = -1, parents[i] < i) makes slot i attend to its ancestors only, at
+        position next_pos + its depth: a token tree. None: a chain (slot i's parent is i-1)."""
 
     def commit(self, cache: Any, num_kept: torch.Tensor, path: torch.Tensor | None = None) -> None:
-        """As `Target.commit`, keeping slots path[b, :num_kept[b]] of the block ([B, S]), in order."""
+        """Keep slots path[b, :num_kept[b]] (num_kept >= 1) of the last verified block [B, S], in
+        order; drop the rest. None: the chain's first num_kept[b] slots."""
 
 
 @dataclass
@@ -80,6 +70,15 @@ class FlowState:
     token_ids: torch.Tensor  # [B, S] long (0 where not valid)
     hint_ids: torch.Tensor  # [B, S] long (0 where not valid)
     valid: torch.Tensor  # [B, S] bool
+    rows: int | None = None  # slots from here on are valid in no row, if the host knows it (None: ask `valid`)
+
+    def prefix(self) -> int:
+        """How many leading slots hold any row's flow (decoding's flow is a prefix); a host read
+        of `valid` unless the loop already knows it."""
+        if self.rows is None:
+            cols = self.valid.any(0).nonzero()
+            self.rows = int(cols.max()) + 1 if len(cols) else 0
+        return self.rows
 
 
 # How many runner-up tokens for draft 1 a drafter reports (`Proposal.alt_ids`) at most.
@@ -97,18 +96,20 @@ class Proposal:
 
 
 class Drafter(Protocol):
-    block_size: int  # S: anchor + (S-1) drafts
+    block_size: int  # the block it was trained for (anchor + drafts): the default
     uses_flow: bool
 
-    def new_state(self, batch_size: int, generator: torch.Generator | None = None) -> Any:
-        """Empty per-request state (context KV cache) for `batch_size` rows; `generator` (None: the
+    def new_state(self, batch_size: int, generator: torch.Generator | None = None,
+                  block_size: int | None = None) -> Any:
+        """Empty per-request state (context KV cache) for `batch_size` rows, drafting blocks of
+        `block_size` (None: its own; a drafter is block-length agnostic); `generator` (None: the
         global RNG) draws the request's sampled drafts, so a seeded request is reproducible."""
 
     def draft(self, state: Any, context_taps: torch.Tensor, context_lens: torch.Tensor,
               anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, flow: FlowState | None,
               sampler: "Any", verify_threshold: float = 0.0) -> Proposal:
         """Append newly committed context (taps [B, N, F], first context_lens[b] rows valid) to the
-        state, then propose S-1 tokens after anchor_ids [B] at absolute positions anchor_pos [B].
+        state, then propose S-1 tokens (S: the state's block size) after anchor_ids [B] at absolute positions anchor_pos [B].
 
         With `verify_threshold` > 0 a drafter may stop early, after the first position where every
         row's cumulative confidence is below it: the loop never verifies past there."""

@@ -8,13 +8,12 @@ from typing import Callable
 
 import torch
 
-from ..errors import UserError
-from .acceptance import accept_alternative, greedy_accept, rejection_sample
-from .flow import HINT_TRUST, carry_flow, right_align, take_hints
-from .interfaces import MAX_ALTERNATIVES, Drafter, FlowState, Target
-from .sampling import SamplingParams, pick, processed_probs
-
-MODES = ("ar", "dflash", "dflow")
+from .acceptance import Verdict, judge
+from .flow import carry_flow, right_align
+from .interfaces import Drafter, Target
+from .options import DecodeOptions
+from .policy import Plan, policy_for
+from .sampling import pick
 
 
 @dataclass
@@ -59,203 +58,107 @@ def _pad_left(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torc
     return ids, torch.tensor([len(p) for p in prompts])
 
 
-@torch.inference_mode()
-def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]], mode: str = "dflow",
-             max_new_tokens: int = 64, sampling: SamplingParams = SamplingParams(),
-             stop_token_ids: tuple[int, ...] | None = None,
-             on_round: Callable[[RoundEvent], bool | None] | None = None,
-             verify_threshold: float = 0.0, hint_trust: float = HINT_TRUST,
-             alternatives: int = 0) -> GenerationResult:
-    """Decode `prompts` (lists of token ids) with the target, speculatively unless mode == "ar".
+class Transcript:
+    """The host's record of a generation: tokens, stops, counters. `record` is the round's one
+    host sync: every per-row number the host needs comes over in one transfer."""
 
+    def __init__(self, first: torch.Tensor, max_new_tokens: int, stop: set[int]):
+        self.max_new, self.stop = max_new_tokens, stop
+        self.tokens: list[list[int]] = [[t] for t in first.tolist()]  # the prefill's sync
+        self.accept_lens: list[list[int]] = [[] for _ in self.tokens]
+        self.done = [t[0] in stop or max_new_tokens <= 1 for t in self.tokens]
+        self.reasons = ["stop" if t[0] in stop else "length" for t in self.tokens]
+        self.rounds = self.verified = self.hints = self.alts_taken = 0
+
+    def record(self, plan: Plan, v: Verdict) -> list[list[int]]:
+        """Append the round's committed tokens per row (finished rows commit nothing); return them."""
+        took = v.num_accepted.new_zeros(v.num_accepted.shape) if v.took_alt is None else v.took_alt.long()
+        per_row = torch.stack([v.num_accepted, v.next_token, plan.proposed(), plan.proposed_alts(), took,
+                               plan.hints_sent()], 1)  # [B, 6]
+        rows = torch.cat([per_row, v.kept], 1).tolist()  # the sync
+        self.rounds += 1
+        K = v.kept.shape[1] - 1  # a row that kept an alternative carries no flow, as if it accepted all
+        self.chain_accepted = [K if r[4] else r[0] for r in rows]
+        committed: list[list[int]] = [[] for _ in rows]
+        for b, (acc, nxt, sent, sent_alts, took_b, hints, _, *kept) in enumerate(rows):
+            if self.done[b]:
+                continue
+            self.accept_lens[b].append(acc + 1)
+            self.verified += sent + sent_alts
+            self.alts_taken += took_b
+            self.hints += hints
+            for t in kept[:acc] + [nxt]:
+                committed[b].append(t)
+                self.tokens[b].append(t)
+                if t in self.stop or len(self.tokens[b]) >= self.max_new:
+                    self.done[b], self.reasons[b] = True, "stop" if t in self.stop else "length"
+                    break
+        return committed
+
+
+@torch.inference_mode()
+def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]],
+             options: DecodeOptions = DecodeOptions(),
+             on_round: Callable[[RoundEvent], bool | None] | None = None) -> GenerationResult:
+    """Decode `prompts` (lists of token ids) with the target, speculatively unless options.mode == "ar".
+
+    Each round: plan (drafter + policy) -> verify (one target pass) -> accept -> commit.
     Invariant at the top of every round, per row b with n_b generated tokens:
     - committed = prompt + generated; the last generated token is the *anchor*, not yet seen by
       the target; the target cache holds exactly the committed positions before the anchor
       (its next position is anchor_pos[b] = prompt_len + n_b - 1);
-    - the drafter context holds the tap states of those same positions; `new_ctx` holds the ones
-      it has not been given yet;
+    - the drafter context holds the tap states of those same positions; `ctx` holds the ones it
+      has not been given yet;
     - in `dflow` mode `flow` holds the previous verify pass's states at its rejected positions,
       aligned with the coming block (see flow.py); nothing else of a rejected draft survives.
     Greedy output equals the target's own greedy decoding; sampled output has its distribution.
     `on_round` sees each round's committed tokens; returning True cancels the generation.
-    `verify_threshold` > 0: each row proposes only the drafts whose chance of acceptance, as the
-    drafter's own confidence estimates it, stays at or above it (`verify_lengths`), and the batch
-    verifies its longest row's; output is unchanged, a round costs less. 0 verifies the whole block.
-    `hint_trust` (dflow): where the flow shows the verifier already read a draft's token, its guess
-    for the next position replaces a draft the drafter is less sure of than this (`take_hints`);
-    0 turns it off, leaving the learned flow conditioning alone.
-    `alternatives` > 0 (greedy, a target with `supports_tree`): the target also verifies up to this
-    many of the drafter's runner-up tokens for draft 1, each a child of the anchor beside the chain
-    (a token tree, one target pass); under a verify threshold only those whose drafter probability
-    reaches it. A row whose draft 1 is rejected commits the alternative that is the target's token,
-    if any, and the target's token after it. Drafters that report no runner-ups verify the chain.
     """
-    if mode not in MODES:
-        raise UserError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise UserError("empty prompt: give at least one token")
-    if max_new_tokens < 1:
-        raise UserError(f"max new tokens must be >= 1, got {max_new_tokens}")
-    ctx = target.info.max_context
-    if ctx and max(map(len, prompts)) + max_new_tokens > ctx:
-        raise UserError(f"prompt ({max(map(len, prompts))} tokens) + max new tokens ({max_new_tokens}) exceed the "
-                        f"target's context of {ctx} tokens; shorten the prompt or ask for fewer new tokens")
-    if mode != "ar" and drafter is None:
-        raise UserError(f"mode {mode!r} needs a drafter")
-    if not 0.0 <= verify_threshold < 1.0:
-        raise UserError(f"verify threshold must be in [0, 1), got {verify_threshold}")
-    if not 0.0 <= hint_trust <= 1.0:
-        raise UserError(f"hint trust must be in [0, 1], got {hint_trust}")
-    if not 0 <= alternatives <= MAX_ALTERNATIVES:
-        raise UserError(f"alternatives must be in [0, {MAX_ALTERNATIVES}], got {alternatives}")
-    if alternatives and not sampling.greedy:
-        raise UserError("first-draft alternatives are verified for greedy decoding only (temperature 0); "
-                        "drop --alternatives or sample without them")
-    if alternatives and mode != "ar" and not getattr(target, "supports_tree", False):
-        raise UserError("this target back end verifies chains only, not the token tree that --alternatives needs; "
-                        "drop --alternatives or use the PyTorch target")
-    if mode == "dflow" and not drafter.uses_flow:
-        raise UserError("this drafter was built without flow conditioning; use --mode dflash or a DFlow drafter")
-    speculative = mode != "ar"
-    stop = set(target.info.eos_token_ids if stop_token_ids is None else stop_token_ids)
+    o = options
+    o.check_against(target, drafter, prompts)
+    policy = policy_for(o.mode, o.verify_threshold, o.hint_trust, o.alternatives)
+    S = o.block_size or (drafter.block_size if o.speculative else 1)
     t_start = time.perf_counter()
 
-    B = len(prompts)
     ids, lens = _pad_left(prompts, pad_id=0)
     cache, out = target.prefill(ids, lens)
-    dev = out.logits.device  # the loop's small tensors live where the target's outputs do (CPU or GPU)
-    lens, gen = lens.to(dev), sampling.generator(dev)
-    first = pick(out.logits[:, -1], sampling, gen)  # [B]
+    lens, gen = lens.to(out.logits.device), o.sampling.generator(out.logits.device)
+    anchor = pick(out.logits[:, -1], o.sampling, gen)  # [B]
+    log = Transcript(anchor, o.max_new_tokens,
+                     set(target.info.eos_token_ids if o.stop_token_ids is None else o.stop_token_ids))
     prefill_s = time.perf_counter() - t_start
-
-    tokens: list[list[int]] = [[t] for t in first.tolist()]
-    accept_lens: list[list[int]] = [[] for _ in range(B)]
-    done = [t[0] in stop or max_new_tokens <= 1 for t in tokens]
-    reasons = ["stop" if tokens[b][0] in stop else "length" for b in range(B)]
-    if on_round is not None and on_round(RoundEvent(0, [list(t) for t in tokens])):
-        done = [True] * B
-
-    anchor, anchor_pos = first, lens.clone()
-    dstate = drafter.new_state(B, gen) if speculative else None
-    new_ctx, new_ctx_lens = right_align(out.taps, lens), lens.clone()
-    flow: FlowState | None = None
+    if on_round is not None and on_round(RoundEvent(0, [list(t) for t in log.tokens])):
+        log.done = [True] * len(prompts)
+    dstate = drafter.new_state(len(prompts), gen, S) if o.speculative else None
+    ctx, ctx_lens, anchor_pos, flow = right_align(out.taps, lens), lens.clone(), lens.clone(), None
     draft_s = verify_s = 0.0
-    rounds = verified = hints = alts_taken = 0
-    while not all(done):
-        rounds += 1
+    while not all(log.done):
         t0 = time.perf_counter()
-        n_drafts = None  # per row: how many drafts it proposes (None: all)
-        n_alts = alts = None  # per row: how many first-draft alternatives it proposes; [B, A] their ids
-        replaced = None  # [B, K] dflow: drafts a verifier hint replaced
-        if speculative:
-            prop = drafter.draft(dstate, new_ctx, new_ctx_lens, anchor, anchor_pos,
-                                 flow if mode == "dflow" else None, sampling, verify_threshold)
-            if mode == "dflow" and flow is not None and hint_trust > 0:
-                hinted = take_hints(prop, flow, hint_trust)
-                replaced, prop = hinted.draft_ids != prop.draft_ids, hinted  # [B, K]
-            if verify_threshold > 0 and prop.confidence is not None:
-                n_drafts = verify_lengths(prop.confidence, verify_threshold).to(anchor.device)  # [B]
-            k = None if n_drafts is None else int(n_drafts.max())  # the batch verifies its longest row's drafts
-            drafts, draft_probs = prop.draft_ids[:, :k], None if prop.draft_probs is None else prop.draft_probs[:, :k]
-            block = torch.cat([anchor[:, None], drafts.to(anchor.device)], 1)  # [B, k+1]
-            if alternatives and prop.alt_ids is not None:
-                n_alts = alternative_counts(prop.alt_conf, alternatives, verify_threshold).to(anchor.device)  # [B]
-                a = int(n_alts.max())
-                alts = prop.alt_ids[:, :a].to(anchor.device) if a else None
+        if o.speculative:  # plan
+            prop = drafter.draft(dstate, ctx, ctx_lens, anchor, anchor_pos, flow, o.sampling, policy.draft_threshold)
+            plan = policy.plan(anchor, prop, flow)
         else:
-            block = anchor[:, None]  # [B, 1]
+            plan = Plan(anchor[:, None])
         t1 = time.perf_counter()
-        K1 = block.shape[1]
-        if alts is None:
-            out = target.verify(cache, block)
-        else:  # the alternatives after the chain, each a child of the anchor at slot 0
-            parents = torch.cat([torch.arange(-1, K1 - 1), torch.zeros(alts.shape[1], dtype=torch.long)])
-            out = target.verify(cache, torch.cat([block, alts], 1), parents)  # [B, K1+A]
-        path = None  # [B, K1+A] block slots in the order the kept branch needs them (None: as verified)
-        took = None  # [B] bool: rows that committed a first-draft alternative
-        if not speculative:
-            num_acc, nxt = torch.zeros(B, dtype=torch.long, device=dev), pick(out.logits[:, 0], sampling, gen)
-        elif sampling.greedy:
-            num_acc, nxt = greedy_accept(block[:, 1:], out.logits[:, :K1], n_drafts)
-            if alts is not None:
-                which = accept_alternative(alts, out.logits[:, 0].argmax(-1), num_acc, n_alts)  # [B], -1: none
-                if bool((which >= 0).any()):
-                    took, path, block, num_acc, nxt = _take_alternative(block, alts, which, out.logits, num_acc, nxt)
-        else:
-            num_acc, nxt = rejection_sample(block[:, 1:], draft_probs, processed_probs(out.logits, sampling), gen,
-                                            n_drafts)
-        if path is None:
-            target.commit(cache, num_acc + 1)
-        else:
-            target.commit(cache, num_acc + 1, path)
-        if speculative:
-            taps = out.taps[:, :K1]  # [B, K1, F]
-            if path is not None:
-                taps = out.taps.gather(1, path[:, :K1, None].expand(B, K1, out.taps.shape[-1]))
-            new_ctx, new_ctx_lens = taps, num_acc + 1  # committed slots are the kept branch's first a+1
-            if mode == "dflow":  # a row that took an alternative carries nothing: the chain read draft 1 there
-                chain_acc = num_acc if took is None else torch.where(took, K1 - 1, num_acc)
-                flow = carry_flow(block, out.taps[:, :K1], out.logits[:, :K1].argmax(-1), chain_acc,
-                                  drafter.block_size)
+        out = target.verify(cache, plan.tokens, plan.parents)  # verify: [B, K1+A]
+        v = judge(plan, out.logits, o.sampling, gen)  # accept
+        target.commit(cache, v.num_accepted + 1, v.path)  # commit
+        if o.speculative:
+            K1 = plan.chain.shape[1]
+            taps = out.taps[:, :K1] if v.path is None else out.taps.gather(
+                1, v.path[:, :K1, None].expand(-1, -1, out.taps.shape[-1]))  # [B, K1, F] the kept branch
+            ctx, ctx_lens = taps, v.num_accepted + 1
+            if o.mode == "dflow":
+                flow = carry_flow(plan.chain, out.taps[:, :K1], out.logits[:, :K1].argmax(-1), v.chain_accepted(), S)
+        anchor, anchor_pos = v.next_token, anchor_pos + v.num_accepted + 1
         verify_s += time.perf_counter() - t1
         draft_s += t1 - t0
-
-        acc, nxt_l, blk = num_acc.tolist(), nxt.tolist(), block.tolist()  # the round's tokens to the host
-        proposed = [K1 - 1] * B if n_drafts is None else n_drafts.tolist()
-        proposed_alts = [0] * B if alts is None else n_alts.tolist()
-        took_l = [False] * B if took is None else took.tolist()
-        replaced_upto = None if replaced is None else replaced.long().cumsum(1).tolist()  # [B][K]: among drafts 1..k
-        committed: list[list[int]] = [[] for _ in range(B)]
-        for b in range(B):
-            if done[b]:
-                continue
-            accept_lens[b].append(acc[b] + 1)
-            verified += proposed[b] + proposed_alts[b]
-            alts_taken += took_l[b]
-            if replaced_upto is not None:  # counted like `verified`: the drafts this row sent
-                hints += replaced_upto[b][proposed[b] - 1]
-            for t in blk[b][1:acc[b] + 1] + [nxt_l[b]]:
-                committed[b].append(t)
-                tokens[b].append(t)
-                if t in stop or len(tokens[b]) >= max_new_tokens:
-                    done[b], reasons[b] = True, "stop" if t in stop else "length"
-                    break
-        anchor, anchor_pos = nxt, anchor_pos + num_acc + 1
-        if on_round is not None and on_round(RoundEvent(rounds, committed)):
+        committed = log.record(plan, v)
+        if flow is not None:  # the host now knows how far the flow reaches: no read of it next round
+            flow.rows = max(0, plan.chain.shape[1] - 1 - min(log.chain_accepted))
+        if on_round is not None and on_round(RoundEvent(log.rounds, committed)):
             break
-    return GenerationResult(token_ids=tokens, acceptance_lengths=accept_lens, prefill_s=prefill_s,
+    return GenerationResult(token_ids=log.tokens, acceptance_lengths=log.accept_lens, prefill_s=prefill_s,
                             draft_s=draft_s, verify_s=verify_s, total_s=time.perf_counter() - t_start,
-                            rounds=rounds, verified_drafts=verified, hints_taken=hints,
-                            alternatives_taken=alts_taken, finish_reasons=reasons)
-
-
-
-def verify_lengths(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
-    """How many drafts each row proposes [B]: the longest prefix whose estimated chance of being
-    accepted whole (the product of the drafter's confidences [B, S-1]) is >= threshold; at least one."""
-    return (confidence.float().cumprod(-1) >= threshold).sum(-1).clamp(min=1)
-
-
-def alternative_counts(alt_conf: torch.Tensor, alternatives: int, threshold: float) -> torch.Tensor:
-    """How many first-draft alternatives each row proposes [B]: its first `alternatives` (best
-    first), and under a threshold only those the drafter gives at least that probability."""
-    alt_conf = alt_conf[:, :alternatives]
-    if threshold <= 0:
-        return torch.full(alt_conf.shape[:1], alt_conf.shape[1], dtype=torch.long, device=alt_conf.device)
-    return (alt_conf >= threshold).sum(-1)
-
-
-def _take_alternative(block: torch.Tensor, alts: torch.Tensor, which: torch.Tensor, logits: torch.Tensor,
-                      num_acc: torch.Tensor, nxt: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Rows with which[b] >= 0 keep [anchor, that alternative] and the target's token after it.
-    block [B, K1] (K1 >= 2), alts [B, A], logits [B, K1+A, V].
-    Returns (rows that took one [B] bool, path [B, K1+A], the block as committed [B, K1], num_acc [B], nxt [B])."""
-    B, K1 = block.shape
-    rows = which >= 0
-    slot = K1 + which.clamp(min=0)  # [B] the alternative's slot in the verified block
-    path = torch.arange(K1 + alts.shape[1], device=block.device).repeat(B, 1)  # [B, K1+A]
-    path[:, 1] = torch.where(rows, slot, path[:, 1])  # only a row's first num_acc+1 path slots are kept
-    block = block.clone()
-    block[:, 1] = torch.where(rows, alts.gather(1, which.clamp(min=0)[:, None])[:, 0], block[:, 1])
-    after = logits.gather(1, slot[:, None, None].expand(B, 1, logits.shape[-1]))[:, 0].argmax(-1)  # [B]
-    return rows, path, block, torch.where(rows, torch.ones_like(num_acc), num_acc), torch.where(rows, after, nxt)
+                            rounds=log.rounds, verified_drafts=log.verified, hints_taken=log.hints,
+                            alternatives_taken=log.alts_taken, finish_reasons=log.reasons)

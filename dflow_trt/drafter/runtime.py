@@ -10,11 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UserError
-from ..decoding.flow import flow_prefix
 from ..decoding.interfaces import MAX_ALTERNATIVES, FlowState, Proposal
-from ..decoding.loop import verify_lengths
+from ..decoding.policy import verify_lengths
 from ..decoding.sampling import SamplingParams, propose
+from .context import append_slots
 from .model import DFlowDrafter
 
 
@@ -23,46 +22,38 @@ class DrafterState:
     k: list[torch.Tensor]  # per layer [B, Hkv, cap, D]
     v: list[torch.Tensor]
     lens: torch.Tensor  # [B] valid context slots per row
+    block_size: int  # anchor + drafts, this request's
     generator: torch.Generator | None = None
 
 
 class TorchDrafter:
-    def __init__(self, model: DFlowDrafter, block_size: int | None = None):
-        """`block_size` may differ from the trained one: the drafter is block-length agnostic."""
+    def __init__(self, model: DFlowDrafter):
         self.model = model.eval()
         self.config = model.config
-        self.block_size = block_size or model.config.block_size
-        if self.block_size < 2:
-            raise UserError(f"block size must be at least 2 (anchor + one draft), got {self.block_size}")
+        self.block_size = model.config.block_size  # the default; a request may ask for another
         self.uses_flow = model.config.flow
 
     @property
     def device(self):
         return self.model.embed_weight.device
 
-    def new_state(self, batch_size: int, generator: torch.Generator | None = None) -> DrafterState:
+    def new_state(self, batch_size: int, generator: torch.Generator | None = None,
+                  block_size: int | None = None) -> DrafterState:
         c = self.config
         empty = lambda: torch.zeros(batch_size, c.num_kv_heads, 0, c.head_dim, device=self.device,  # noqa: E731
                                     dtype=self.model.ctx_proj.weight.dtype)  # the cache holds what context_kv makes
         return DrafterState(k=[empty() for _ in range(c.num_layers)], v=[empty() for _ in range(c.num_layers)],
-                            lens=torch.zeros(batch_size, dtype=torch.long, device=self.device), generator=generator)
+                            lens=torch.zeros(batch_size, dtype=torch.long, device=self.device),
+                            block_size=block_size or self.block_size, generator=generator)
 
     def _append(self, st: DrafterState, taps: torch.Tensor, lens: torch.Tensor) -> None:
-        B, N, _ = taps.shape
+        N = taps.shape[1]
         if N == 0:
             return
         pos = st.lens[:, None] + torch.arange(N, device=self.device)  # [B, N]
-        new = self.model.context_kv(taps.to(self.device), pos)
-        need = int((st.lens + lens).max())
-        rows, cols = (torch.arange(N, device=self.device)[None, :] < lens[:, None]).nonzero(as_tuple=True)
-        dest = st.lens[rows] + cols
-        for i, (k, v) in enumerate(new):
-            for buf, val in ((st.k, k), (st.v, v)):
-                if buf[i].shape[2] < need:  # grow geometrically, so appends stay cheap
-                    grown = buf[i].new_zeros(B, buf[i].shape[1], max(need, 2 * buf[i].shape[2]), buf[i].shape[3])
-                    grown[:, :, : buf[i].shape[2]] = buf[i]
-                    buf[i] = grown
-                buf[i][rows, :, dest] = val[rows, :, cols]
+        for i, (k, v) in enumerate(self.model.context_kv(taps.to(self.device), pos)):  # [B, Hkv, N, D] each
+            st.k[i] = append_slots(st.k[i], st.lens, k, lens, dim=2)
+            st.v[i] = append_slots(st.v[i], st.lens, v, lens, dim=2)
         st.lens = st.lens + lens
 
     @torch.inference_mode()
@@ -71,12 +62,12 @@ class TorchDrafter:
               sampler: SamplingParams, verify_threshold: float = 0.0) -> Proposal:
         self._append(state, context_taps, context_lens.to(self.device))
         assert torch.equal(state.lens, anchor_pos.to(self.device)), "drafter context must end right before the anchor"
-        B, S, m = anchor_ids.shape[0], self.block_size, self.model
+        B, S, m = anchor_ids.shape[0], state.block_size, self.model
         block = torch.full((B, S), self.config.mask_token_id, dtype=torch.long, device=self.device)
         block[:, 0] = anchor_ids
         pos = state.lens[:, None] + torch.arange(S, device=self.device)  # [B, S]
         flow = flow if self.uses_flow else None
-        x = m.block_inputs(block, flow, None if flow is None else flow_prefix(flow.valid))
+        x = m.block_inputs(block, flow, None if flow is None else flow.prefix())
         C = int(state.lens.max())
         ctx_mask = torch.arange(C, device=self.device)[None, :] < state.lens[:, None]  # [B, C]
         mask = torch.cat([ctx_mask[:, None, :].expand(B, S, C), ctx_mask.new_ones(B, S, S)], -1)  # [B, S, C+S]

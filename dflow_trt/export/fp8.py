@@ -32,6 +32,7 @@ from torch import nn
 from ..atomic import atomic_dir
 from ..backends import torch_cpu
 from ..decoding.loop import generate
+from ..decoding.options import DecodeOptions
 from ..drafter.model import DFlowDrafter
 from ..drafter.runtime import TorchDrafter
 from ..targets.hf_target import HFTarget
@@ -96,7 +97,8 @@ def quantize_drafter(drafter: DFlowDrafter, target: HFTarget, calib_ids: list[li
 
     def loop(m):
         for i in range(0, len(calib_ids), batch_size):
-            generate(target, TorchDrafter(m), calib_ids[i:i + batch_size], mode, max_new_tokens, stop_token_ids=())
+            generate(target, TorchDrafter(m), calib_ids[i:i + batch_size],
+                     DecodeOptions(mode=mode, max_new_tokens=max_new_tokens, stop_token_ids=()))
 
     _quantize(model, loop)
     return model

@@ -20,6 +20,7 @@ import torch
 
 from ..atomic import write_text
 from ..decoding.loop import _pad_left, generate
+from ..decoding.options import DecodeOptions
 from ..drafter.model import DFlowDrafter
 from ..drafter.runtime import TorchDrafter
 from ..targets.hf_target import HFTarget
@@ -116,7 +117,8 @@ def run_check(full: HFTarget, fp8: HFTarget, drafters: dict[str, tuple[DFlowDraf
     top1, kl = logit_metrics(full, fp8, prompts, batch_size)
     log("fp8-check: greedy generations")
     gen = lambda t, d, mode: [r for i in range(0, len(prompts), batch_size) for r in generate(  # noqa: E731
-        t, d, prompts[i:i + batch_size], mode, max_new_tokens, stop_token_ids=()).token_ids]
+        t, d, prompts[i:i + batch_size], DecodeOptions(mode=mode, max_new_tokens=max_new_tokens, stop_token_ids=())
+    ).token_ids]
     ar_full, ar_fp8 = gen(full, None, "ar"), gen(fp8, None, "ar")
     match = sum(_common_prefix(a, b) for a, b in zip(ar_full, ar_fp8)) / len(prompts)
     tau, ratio = {}, {}
@@ -125,7 +127,8 @@ def run_check(full: HFTarget, fp8: HFTarget, drafters: dict[str, tuple[DFlowDraf
         pairs = {"full": (full, d_full), "fp8_target_fp8_drafter": (fp8, d_fp8), "fp8_target_full_drafter": (fp8, d_full)}
         tau[mode] = {}
         for name, (t, d) in pairs.items():
-            res = [generate(t, TorchDrafter(d), prompts[i:i + batch_size], mode, max_new_tokens, stop_token_ids=())
+            res = [generate(t, TorchDrafter(d), prompts[i:i + batch_size],
+                            DecodeOptions(mode=mode, max_new_tokens=max_new_tokens, stop_token_ids=()))
                    for i in range(0, len(prompts), batch_size)]
             flat = [a for r in res for row in r.acceptance_lengths for a in row]
             tau[mode][name] = sum(flat) / len(flat)

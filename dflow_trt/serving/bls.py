@@ -30,6 +30,7 @@ import torch
 
 from ..decoding.interfaces import FlowState, Proposal, TargetInfo, TargetOutput
 from ..decoding.sampling import SamplingParams
+from ..drafter.context import append_slots
 from ..errors import UserError
 from .lifecycle import stopping
 
@@ -134,17 +135,16 @@ class RemoteTarget:
 class RemoteDrafterState:
     taps: torch.Tensor  # [B, C, F] committed context features, right-padded
     lens: torch.Tensor  # [B]
+    block_size: int  # anchor + drafts, this request's
     round: int = 0
 
 
 class RemoteDrafter:
     """Drafter interface over the stateless `drafter` model: sends the whole context each round."""
 
-    def __init__(self, remote: Remote, mode: str, info: dict, block_size: int | None, model: str = "drafter"):
+    def __init__(self, remote: Remote, mode: str, info: dict, model: str = "drafter"):
         self.remote, self.mode, self.model = remote, mode, model
-        self.block_size = block_size or info["block_size"]
-        if self.block_size < 2:
-            raise UserError(f"block size must be at least 2 (anchor + one draft), got {self.block_size}")
+        self.block_size = int(info["block_size"])  # the default; a request may ask for another
         self.uses_flow = bool(info["flow"])
         self.feature_size = int(info["feature_size"])
 
@@ -153,23 +153,19 @@ class RemoteDrafter:
         out = remote(model, {"info_only": np.array([True])}, ["info"])
         return json.loads(bytes(out["info"].reshape(-1)[0]).decode())
 
-    def new_state(self, batch_size: int, generator: torch.Generator | None = None) -> RemoteDrafterState:
+    def new_state(self, batch_size: int, generator: torch.Generator | None = None,
+                  block_size: int | None = None) -> RemoteDrafterState:
         return RemoteDrafterState(taps=torch.zeros(batch_size, 0, self.feature_size),
-                                  lens=torch.zeros(batch_size, dtype=torch.long))
+                                  lens=torch.zeros(batch_size, dtype=torch.long), block_size=block_size or self.block_size)
 
     def draft(self, state: RemoteDrafterState, context_taps: torch.Tensor, context_lens: torch.Tensor,
               anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, flow: FlowState | None,
               sampler: SamplingParams, verify_threshold: float = 0.0) -> Proposal:
         # one graph call drafts the whole block; `verify_threshold` (may stop early) is not needed
-        B, N, F = context_taps.shape
-        C = int((state.lens + context_lens).max())
-        taps = torch.zeros(B, C, F)
-        for b in range(B):  # compact append: row b's committed features stay in its first lens[b] slots
-            n0, n1 = int(state.lens[b]), int(context_lens[b])
-            taps[b, :n0] = state.taps[b, :n0]
-            taps[b, n0:n0 + n1] = context_taps[b, :n1]
-        state.taps, state.lens, state.round = taps, state.lens + context_lens, state.round + 1
-        S = self.block_size
+        state.taps = append_slots(state.taps, state.lens, context_taps, context_lens, dim=1)  # [B, cap, F]
+        state.lens, state.round = state.lens + context_lens, state.round + 1
+        taps = state.taps[:, :int(state.lens.max())]  # [B, C, F] the whole context, right-padded
+        S = state.block_size
         inputs = {"mode": np.array([self.mode.encode()], dtype=object), "block_size": np.array([S], np.int32),
                   "context_taps": taps.numpy().astype(np.float32), "context_lens": state.lens.numpy(),
                   "anchor_ids": anchor_ids.numpy().astype(np.int64), "anchor_pos": anchor_pos.numpy().astype(np.int64),

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from ..decoding.loop import RoundEvent, generate
+from ..decoding.options import DecodeOptions
 from ..decoding.sampling import SamplingParams
 from ..errors import UserError
 from .lifecycle import session_key, stopping
@@ -80,7 +81,7 @@ class Chunk:
 @dataclass
 class _Loaded:
     target: Any  # decoding.interfaces.Target (None when `llm` runs the whole loop)
-    make_drafter: Callable[[int | None], Any] | None  # block size -> Drafter
+    drafter: Any | None  # Drafter (None: ar, or TensorRT-LLM drafting itself)
     llm: Any = None  # tensorrt_llm.LLM: drafts and verifies itself (backends/tensorrt_llm.py)
     block_size: int = 1  # the block an `llm` was loaded with
 
@@ -157,7 +158,7 @@ class DecodingEngine:
         for mode in ("dflash", "dflow"):
             target, model = load_target_and_drafter(cfg.target, self._drafter_arg(mode), mode, warn=self.log,
                                                     target=base)
-            modes[mode] = _Loaded(target, lambda S, m=model: TorchDrafter(m, S))
+            modes[mode] = _Loaded(target, TorchDrafter(model))
         return modes, base.tokenizer
 
     def _build(self) -> tuple[Path, dict]:
@@ -187,7 +188,7 @@ class DecodingEngine:
                 self.log(f"warning: build_dir has no {mode} drafter ({folder}); mode {mode} is not served")
                 continue
             OrtDrafter(folder).check_target(target.info)
-            modes[mode] = _Loaded(target, lambda S, f=folder: OrtDrafter(f, S))
+            modes[mode] = _Loaded(target, OrtDrafter(folder))
         return modes, tokenizer
 
     def _load_tensorrt_llm(self):
@@ -224,7 +225,7 @@ class DecodingEngine:
             if tuple(info["tap_layers"]) != target.info.tap_layers:
                 raise UserError(f"the `target` model taps layers {list(target.info.tap_layers)}, the {mode} drafter "
                                 f"reads {info['tap_layers']}; load the target model with that drafter's taps")
-            modes[mode] = _Loaded(target, lambda S, m=mode, i=info: RemoteDrafter(remote, m, i, S))
+            modes[mode] = _Loaded(target, RemoteDrafter(remote, mode, info))
         return modes
 
     # ------------------------------------------------------------------ requests
@@ -274,7 +275,10 @@ class DecodingEngine:
         loaded = self.modes[req.mode]
         prompt_ids = self._prompt_ids(req)
         sampling = SamplingParams(req.temperature, req.top_p, req.top_k, req.seed)
-        drafter = loaded.make_drafter(req.block_size) if loaded.make_drafter else None
+        options = DecodeOptions(mode=req.mode, max_new_tokens=req.max_tokens, sampling=sampling,
+                                block_size=req.block_size, verify_threshold=req.verify_threshold,
+                                hint_trust=req.hint_trust, alternatives=req.alternatives)
+        drafter = loaded.drafter
         if loaded.llm is not None and req.block_size and req.mode != "ar" and req.block_size != loaded.block_size:
             raise RequestError(f"this model drafts blocks of {loaded.block_size} (TensorRT-LLM fixes the block "
                                f"when it loads); omit block_size or send {loaded.block_size}")
@@ -317,9 +321,7 @@ class DecodingEngine:
 
                     res = generate_llmapi(loaded.llm, prompt_ids, req.max_tokens, sampling, on_round=on_round)
                 else:
-                    res = generate(loaded.target, drafter, [prompt_ids], req.mode, req.max_tokens, sampling,
-                                   on_round=on_round, verify_threshold=req.verify_threshold, hint_trust=req.hint_trust,
-                                   alternatives=req.alternatives)
+                    res = generate(loaded.target, drafter, [prompt_ids], options, on_round=on_round)
             finally:
                 with self._lock:
                     self._active.pop(rid, None)
@@ -331,7 +333,7 @@ class DecodingEngine:
                  "finish_reason": reason,
                  "prefill_s": res.prefill_s, "draft_s": res.draft_s, "verify_s": res.verify_s, "total_s": res.total_s,
                  "tokens_per_s": len(tokens) / res.total_s if res.total_s > 0 else 0.0,
-                 "block_size": drafter.block_size if drafter else loaded.block_size, "prompt_tokens": len(prompt_ids),
+                 "block_size": (req.block_size or drafter.block_size) if drafter else loaded.block_size, "prompt_tokens": len(prompt_ids),
                  "active_requests": self.active_requests, "backend": self.cfg.backend,
                  "orchestration": self.cfg.orchestration}
         if reason in ("cancelled", "shutdown"):

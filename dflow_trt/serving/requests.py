@@ -12,7 +12,7 @@ import numpy as np
 
 from ..decoding.flow import HINT_TRUST
 from ..decoding.interfaces import MAX_ALTERNATIVES
-from ..decoding.loop import MODES
+from ..decoding.options import MODES
 from ..errors import UserError
 
 

@@ -281,7 +281,10 @@ class DrafterService(_Bounded):
     """What the `drafter` model computes: one block of drafts from the full context, per mode."""
 
     def __init__(self, drafters: dict, limits: ServiceLimits | None = None):  # mode -> DFlowDrafter
+        from ..drafter.runtime import TorchDrafter
+
         self.models = drafters
+        self.drafters = {m: TorchDrafter(d) for m, d in drafters.items()}
         self.limits = limits or ServiceLimits()
 
     def info_json(self) -> bytes:
@@ -308,8 +311,6 @@ class DrafterService(_Bounded):
 
     @torch.inference_mode()
     def draft(self, inputs: dict) -> dict[str, np.ndarray]:
-        from ..drafter.runtime import TorchDrafter
-
         mode, S = inputs["mode"], int(inputs["block_size"])
         seed = int(inputs["seed"])
         sampler = SamplingParams(float(inputs["temperature"]), float(inputs["top_p"]), int(inputs["top_k"]),
@@ -317,9 +318,9 @@ class DrafterService(_Bounded):
         taps = torch.from_numpy(np.asarray(inputs["context_taps"], np.float32))
         anchors = torch.from_numpy(np.asarray(inputs["anchor_ids"], np.int64)).reshape(-1)
         self._check(mode, S, taps, anchors, sampler)
-        d = TorchDrafter(self.models[mode], S)
+        d = self.drafters[mode]
         lens = torch.from_numpy(np.asarray(inputs["context_lens"], np.int64))
-        st = d.new_state(taps.shape[0], sampler.generator("cpu"))
+        st = d.new_state(taps.shape[0], sampler.generator("cpu"), S)
         flow = None
         if "flow_taps" in inputs and d.uses_flow:
             flow = FlowState(taps=torch.from_numpy(np.asarray(inputs["flow_taps"], np.float32)),

@@ -17,6 +17,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from ..backends.torch_cpu import GROUPED_SDPA
 from ..decoding.interfaces import TargetInfo, TargetOutput
+from ..decoding.slots import close_block, open_block, prompt_slots
 from ..errors import UserError
 from .kv_cache import new_kv_cache, reorder_last_slots
 
@@ -137,16 +138,12 @@ class HFTarget:
     def prefill(self, input_ids: torch.Tensor, prompt_lens: torch.Tensor) -> tuple[HFCache, TargetOutput]:
         B, T = input_ids.shape
         input_ids, prompt_lens = input_ids.to(self.device), prompt_lens.to(self.device)
-        if (prompt_lens < 1).any() or (prompt_lens > T).any():
-            raise UserError("every prompt needs at least one token")
-        valid = torch.arange(T, device=self.device)[None, :] >= (T - prompt_lens)[:, None]  # [B, T]
-        pos = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
+        valid, pos = prompt_slots(prompt_lens, T)  # [B, T], [B, T]
         cache = HFCache(kv=new_kv_cache(self.model.config), valid=valid, next_pos=prompt_lens.clone())
         return cache, self._forward(input_ids, valid, pos, cache.kv)
 
     def verify(self, cache: HFCache, block_ids: torch.Tensor, parents: torch.Tensor | None = None) -> TargetOutput:
-        """Chain, or a tree when `parents` [S] is given (see `TreeTarget.verify`)."""
-        assert cache.pending == 0, "commit() the previous block before verifying the next"
+        """Chain, or a tree when `parents` [S] is given (see `Target.verify`)."""
         B, S = block_ids.shape
         if parents is not None:  # checked before the cache changes, so a refused tree leaves it usable
             if not self.supports_tree:
@@ -156,32 +153,20 @@ class HFTarget:
                 raise ValueError(f"parents needs one entry per block slot ({S}), got {list(parents.shape)}")
             anc = tree_ancestors(parents.tolist(), self.device)  # [S, S]
         past = cache.valid  # [B, P]
-        cache.valid = torch.cat([past, past.new_ones(B, S)], dim=1)  # [B, P+S]
+        pos = open_block(cache, S)  # [B, S]
         if parents is None:
-            pos = cache.next_pos[:, None] + torch.arange(S, device=self.device)  # [B, S]
             mask = cache.valid
         else:
             pos = cache.next_pos[:, None] + anc.sum(-1)[None, :] - 1  # [B, S]: next_pos + depth
             mask = torch.cat([past[:, None, None, :].expand(B, 1, S, past.shape[1]),
                               anc[None, None].expand(B, 1, S, S)], -1)  # [B, 1, S, P+S]
-        out = self._forward(block_ids.to(self.device), mask, pos, cache.kv)
-        cache.pending = S
-        return out
+        return self._forward(block_ids.to(self.device), mask, pos, cache.kv)
 
     def commit(self, cache: HFCache, num_kept: torch.Tensor, path: torch.Tensor | None = None) -> None:
-        S = cache.pending
-        num_kept = num_kept.to(self.device)
-        assert S > 0 and ((num_kept >= 1) & (num_kept <= S)).all()
+        S, num_kept = cache.pending, num_kept.to(self.device)
         if path is not None:  # the kept branch's slots move to the front of the block, in order
             assert path.shape == (num_kept.shape[0], S), (tuple(path.shape), S)
             reorder_last_slots(cache.kv, path.to(self.device))
-        keep = torch.arange(S, device=self.device)[None, :] < num_kept[:, None]  # [B, S]
-        cache.valid[:, -S:] = keep
-        cache.next_pos = cache.next_pos + num_kept
-        cache.pending = 0
-        # The one place the KV cache is cropped: drop trailing slots that no row uses.
-        used = int(cache.valid.any(dim=0).nonzero().max()) + 1
-        drop = cache.valid.shape[1] - used
+        drop = close_block(cache, num_kept)
         if drop > 0:
             cache.kv.crop(-drop)
-            cache.valid = cache.valid[:, :used]

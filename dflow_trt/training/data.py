@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from ..atomic import write_text
 from ..decoding.loop import generate
+from ..decoding.options import DecodeOptions
 from ..errors import UserError
 from ..targets.hf_target import HFTarget, tokenizer_fingerprint
 from .prompts import build_prompts
@@ -90,7 +91,7 @@ def generate_dataset(target: HFTarget, out_dir: Path, num_prompts: int, max_new_
         for j in range(0, len(chunk), batch_size):
             batch = chunk[j:j + batch_size]
             ids = [_chat(target.tokenizer, p["prompt"]) for p in batch]
-            res = generate(target, None, ids, "ar", max_new_tokens)
+            res = generate(target, None, ids, DecodeOptions(mode="ar", max_new_tokens=max_new_tokens))
             for p, pid, rid in zip(batch, ids, res.token_ids):
                 lines.append(json.dumps({"id": p["id"], "source": p["source"], "prompt_ids": pid, "response_ids": rid}))
             bar.update(len(batch))
