@@ -1,63 +1,63 @@
-"""Load against a running server (or one this script starts): concurrency sweep per mode.
+"""`dflow-trt bench serving`: load against a running Triton server (or one it starts), a concurrency
+sweep per mode: requests/s, output tokens/s, τ, time to first token and inter-token latency.
 
-    python scripts/bench_serving.py [--url 127.0.0.1:8001 | --start] [--modes ar,dflow] [--concurrency 1,2,4,8]
-        [--requests 8] [--max-tokens 32] [--out docs/serving_load]
-
-Prints a table and writes JSON, CSV and a PNG; also writes perf_analyzer's input file and prints
-its command line (the binary needs glibc >= 2.38, so it runs only on newer hosts).
+Writes JSON, CSV and a PNG (`serving.load.write_report`), and perf_analyzer's input file beside
+them with its command line printed (the binary needs glibc >= 2.38, so it runs only on newer hosts).
 """
 
-import argparse
-import os
+from __future__ import annotations
+
 import shutil
-import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from dflow_trt.evalsets import load_prompts  # noqa: E402
-from dflow_trt.serving.load import perf_analyzer_inputs, run_point, write_report  # noqa: E402
+from ..errors import UserError
+from . import report
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default="127.0.0.1:8001")
-    ap.add_argument("--start", action="store_true", help="start scripts/serve.py's server for the run")
-    ap.add_argument("--model", default="dflow")
-    ap.add_argument("--modes", default="ar,dflash,dflow")
-    ap.add_argument("--concurrency", default="1,2,4,8")
-    ap.add_argument("--requests", type=int, default=8, help="requests per point")
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--dataset", default="mtbench")
-    ap.add_argument("--out", default="docs/serving_load")
-    a = ap.parse_args(argv)
-    prompts = load_prompts(a.dataset)[:16]
+def perf_analyzer_path(json_out: str | Path) -> Path:
+    out = Path(json_out)
+    return out.with_name(out.stem + "_perf_analyzer_input.json")
+
+
+def run(url: str | None = "127.0.0.1:8001", start: bool = False, model: str = "dflow",
+        modes=("ar", "dflash", "dflow"), concurrency=(1, 2, 4, 8), requests: int = 8, max_tokens: int = 32,
+        dataset: str = "mtbench", json_out: str = "docs/serving_load.json") -> int:
+    from ..evalsets import load_prompts
+    from ..serving.client import health
+    from ..serving.load import perf_analyzer_inputs, run_point, write_report
+
+    prompts = load_prompts(dataset)[:16]
+    con = report.console()
     server = None
-    if a.start:
-        from dflow_trt.serving.server import start_server
+    if start:
+        from ..serving.server import start_server
 
         server = start_server(log_path="build/triton/server.log")
-        a.url = server.grpc_url
+        url = server.grpc_url
     try:
-        points = []
-        print(f"{'mode':7} {'conc':>4} {'req/s':>7} {'tok/s':>7} {'tau':>5} {'TTFT p50/p90/p99 ms':>24} "
-              f"{'ITL p50/p90/p99 ms':>22}")
-        for mode in a.modes.split(","):
-            for c in map(int, a.concurrency.split(",")):
-                p = run_point(a.url, prompts, mode, c, max(a.requests, c), a.max_tokens, a.model)
+        if not health(url, "grpc", model):
+            raise UserError(f"no ready Triton server with the {model} model at {url} (grpc); start one with "
+                            f"`python scripts/serve.py` or pass --start")
+        points, rows = [], []
+
+        def pct(d):
+            return "/".join(f"{d[k]:.0f}" for k in ("p50", "p90", "p99"))
+
+        for mode in modes:
+            for c in concurrency:
+                p = run_point(url, prompts, mode, c, max(requests, c), max_tokens, model)
                 points.append(p)
-                f = lambda d: "/".join(f"{d[k]:.0f}" for k in ("p50", "p90", "p99"))  # noqa: E731
-                print(f"{mode:7} {c:>4} {p.requests_per_s:7.2f} {p.output_tokens_per_s:7.1f} {p.tau:5.2f} "
-                      f"{f(p.ttft_ms):>24} {f(p.itl_ms):>22}", flush=True)
-        for path in write_report(points, a.out):
-            print(path)
-        cmd = perf_analyzer_inputs(prompts, "dflow", a.max_tokens, a.out + "_perf_analyzer_input.json")
+                con.print(f"{mode} × {c}: {p.output_tokens_per_s:.1f} tokens/s", style="dim")
+                rows.append([mode, c, f"{p.requests_per_s:.2f}", f"{p.output_tokens_per_s:.1f}", f"{p.tau:.2f}",
+                             pct(p.ttft_ms), pct(p.itl_ms)])
+        report.table(f"{model} at {url}: {max_tokens} tokens per request, {dataset} prompts",
+                     ["mode", "conc", "req/s", "tok/s", "tau", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms"], rows, con)
+        for path in write_report(points, Path(json_out).with_suffix("")):
+            con.print(f"wrote {path}")
+        cmd = perf_analyzer_inputs(prompts, "dflow", max_tokens, perf_analyzer_path(json_out))
         where = "found" if shutil.which("perf_analyzer") else "not installed here (needs glibc >= 2.38)"
-        print(f"perf_analyzer ({where}):\n  {cmd}")
+        con.print(f"perf_analyzer ({where}):\n  {cmd}", soft_wrap=True)
     finally:
         if server:
             server.stop()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

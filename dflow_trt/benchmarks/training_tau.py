@@ -1,31 +1,46 @@
-"""τ against training steps for drafters' train_log.jsonl (held-out, teacher-forced), as a PNG.
+"""`dflow-trt bench training-tau`: τ against training steps for drafters' train_log.jsonl (held-out,
+teacher-forced), as a PNG: how a run's drafters learned, without decoding anything."""
 
-    python scripts/plot_training.py [DRAFTER_DIR ...] [--out docs/training_tau.png]
-"""
+from __future__ import annotations
 
-import argparse
 import json
-import os
 from pathlib import Path
 
-import matplotlib
+from ..atomic import atomic_file
+from ..errors import UserError
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT = [ROOT / "dflow_trt/drafters/smollm2-135m-dflash", ROOT / "dflow_trt/drafters/smollm2-135m-dflow"]
+SHIPPED = ("smollm2-135m-dflash", "smollm2-135m-dflow")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("drafters", nargs="*", type=Path, default=DEFAULT)
-    ap.add_argument("--out", type=Path, default=ROOT / "docs/training_tau.png")
-    a = ap.parse_args()
+def shipped_drafters() -> list[Path]:
+    return [Path(__file__).resolve().parent.parent / "drafters" / name for name in SHIPPED]
+
+
+def _log(folder: Path) -> list[dict]:
+    path = folder / "train_log.jsonl"
+    if not path.is_file():
+        raise UserError(f"{folder} has no train_log.jsonl; pass a drafter folder written by `dflow-trt train`")
+    rows = []
+    for i, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise UserError(f"{path}:{i} is not JSON; pass a log written by `dflow-trt train`") from None
+    return rows
+
+
+def run(drafters: list[str] | None = None, plot_out: str = "docs/training_tau.png") -> int:
+    folders = [Path(d) for d in drafters] if drafters else shipped_drafters()
+    logs = {d: _log(d) for d in folders}  # every log read before the plot starts
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
     marked = set()
-    for d in a.drafters:
-        log = [json.loads(x) for x in (d / "train_log.jsonl").read_text().splitlines() if x.strip()]
+    for d, log in logs.items():
         ev = [r for r in log if "eval_tau_noflow" in r]
         ax.plot([r["step"] for r in ev], [r["eval_tau_noflow"] for r in ev], marker="o", label=f"{d.name}: no flow")
         fl = [r for r in ev if "eval_tau_flow" in r]  # a DFlow run started from a DFlash drafter has it later
@@ -46,13 +61,8 @@ def main() -> int:
     ax.set_ylabel("held-out τ (teacher-forced, block 16)")
     ax.legend(loc="upper left")
     fig.tight_layout()
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = a.out.with_name(a.out.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, a.out)
-    print(a.out)
+    with atomic_file(plot_out) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    print(plot_out)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
