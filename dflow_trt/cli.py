@@ -215,15 +215,11 @@ def cmd_bench_hints(a: argparse.Namespace) -> int:
 
 
 def cmd_bench_training(a: argparse.Namespace) -> int:
-    from dataclasses import fields
-
     from .benchmarks import training as bench
-    from .training.trainer import TrainConfig
 
     check_output(a.json_out, "throughput report (--json-out)")
-    flags = {f.name: getattr(a, f.name) for f in fields(TrainConfig) if getattr(a, f.name, None) is not None}
-    cfg = TrainConfig.from_file(a.config, **flags) if a.config else TrainConfig(**flags)  # checks every value
-    return bench.run(cfg, a.json_out)
+    return bench.run(list(dict.fromkeys(a.objective)), a.steps, a.warmup, a.threads, a.data_dir,
+                     bench.parse_overrides(a.set), not a.no_peak, a.json_out)
 
 
 def cmd_bench_training_tau(a: argparse.Namespace) -> int:
@@ -426,8 +422,17 @@ def _add_bench(sub) -> None:
     h.add_argument("--max-new-tokens", type=COUNT, default=64)
     json_out(h, None)
 
-    t = add("training", cmd_bench_training, "the trainer's throughput in blocks/s on a training configuration")
-    _add_train_flags(t)
+    t = add("training", cmd_bench_training, "the trainer's throughput per objective: blocks/s, tokens/s and the "
+                                            "fraction of this CPU's matmul FLOP/s a step reaches")
+    t.add_argument("--objective", nargs="+", default=["dflash", "dflow"], choices=["dflash", "dflow"])
+    t.add_argument("--steps", type=COUNT, default=8, help="timed trainer steps per objective")
+    t.add_argument("--warmup", type=START, default=2, help="untimed steps first")
+    t.add_argument("--threads", type=THREADS, default=None)
+    t.add_argument("--data-dir", default=None, help="a data set with a state cache, or a new folder to keep the "
+                                                    "synthetic one in (default: a temporary folder)")
+    t.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="TrainConfig fields over the shipped drafters' settings, e.g. seqs_per_step=4 (JSON values)")
+    t.add_argument("--no-peak", action="store_true", help="skip the matmul microbenchmark")
     json_out(t, None)
 
     tt = add("training-tau", cmd_bench_training_tau, "held-out tau against training steps from drafters' "

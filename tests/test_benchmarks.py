@@ -117,21 +117,31 @@ def test_training_tau(capsys, tmp_path):
 
 
 def test_training_calls_the_trainers_measure(capsys, tmp_path, monkeypatch):
-    """`bench training` times through `dflow_trt.training.throughput.measure(cfg)` with the flags' config."""
+    """`bench training` times through `dflow_trt.training.throughput.measure`, once per objective."""
     seen = []
+
+    def measure(overrides, **kw):
+        seen.append((overrides, kw))
+        return {"objective": overrides["objective"], "blocks_per_s": 12.5, "trained_blocks_per_s": 25.0,
+                "tokens_per_s": 375.0, "step_s": 2.5, "compute_dtype": "float32"}
+
     fake = types.ModuleType("dflow_trt.training.throughput")
-    fake.measure = lambda cfg: seen.append(cfg) or {"blocks_per_s": 12.5, "steps": 3}
+    fake.measure = measure
     monkeypatch.setitem(sys.modules, "dflow_trt.training.throughput", fake)
     out = tmp_path / "train.json"
-    bench(capsys, "training", *T, "--objective", "dflash", "--block-size", "4", "--json-out", out)
-    assert (seen[0].target, seen[0].objective, seen[0].block_size) == ("tiny-qwen3", "dflash", 4)
+    stdout = bench(capsys, "training", "--objective", "dflash", "dflow", "--steps", "3", "--warmup", "0", "--no-peak",
+                   "--set", 'target="tiny-qwen3"', "block_size=4", "--json-out", out)
+    assert [o for o, _ in seen] == [{"target": "tiny-qwen3", "block_size": 4, "objective": m} for m in ("dflash", "dflow")]
+    assert seen[0][1] == {"steps": 3, "warmup": 0, "threads": None, "data_dir": None, "peak": False}
     rep = read(out)
-    assert rep["blocks_per_s"] == 12.5 and rep["steps"] == 3
+    assert [r["objective"] for r in rep["results"]] == ["dflash", "dflow"] and rep["results"][0]["blocks_per_s"] == 12.5
+    assert isinstance(rep["cpu_flags_bf16"], bool) and "375" in stdout
+    refused(capsys, ["bench", "training", "--set", "block_size"], "--set takes KEY=VALUE")
 
 
 def test_training_without_the_measurement(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "dflow_trt.training.throughput", None)  # its import fails, as if absent
-    refused(capsys, ["bench", "training", *T], "dflow_trt.training.throughput")
+    refused(capsys, ["bench", "training"], "dflow_trt.training.throughput")
 
 
 @pytest.mark.parametrize("argv,needles", [
@@ -150,7 +160,8 @@ def test_training_without_the_measurement(capsys, monkeypatch):
     (["serving", "--json-out", "load.csv"], ["--json-out", ".json"]),
     (["serving", "--start", "--url", "127.0.0.1:8001"], ["--start", "--url"]),
     (["hints", *T, "--num-prompts", "0"], ["--num-prompts"]),
-    (["training", *T, "--lr", "nan"], ["--lr"]),
+    (["training", "--steps", "0"], ["--steps"]),
+    (["training", "--objective", "ar"], ["--objective"]),
     (["zlab-vocab", *T, "--anchors", "0"], ["--anchors"]),
     (["nope"], ["invalid choice", "nope"]),
     ([], ["WHAT"]),
