@@ -131,7 +131,8 @@ def test_training_calls_the_trainers_measure(capsys, tmp_path, monkeypatch):
     out = tmp_path / "train.json"
     stdout = bench(capsys, "training", "--objective", "dflash", "dflow", "--steps", "3", "--warmup", "0", "--no-peak",
                    "--set", 'target="tiny-qwen3"', "block_size=4", "--json-out", out)
-    assert [o for o, _ in seen] == [{"target": "tiny-qwen3", "block_size": 4, "objective": m} for m in ("dflash", "dflow")]
+    assert [o for o, _ in seen] == [{"target": "tiny-qwen3", "block_size": 4, "objective": m}
+                                    for m in ("dflash", "dflow")]
     assert seen[0][1] == {"steps": 3, "warmup": 0, "threads": None, "data_dir": None, "peak": False}
     rep = read(out)
     assert [r["objective"] for r in rep["results"]] == ["dflash", "dflow"] and rep["results"][0]["blocks_per_s"] == 12.5

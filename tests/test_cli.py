@@ -66,6 +66,7 @@ def test_bench_reports_every_mode(tmp_path):
         assert s["matches_ar"] is True
         assert s["tau"] >= 1 and s["tokens_per_s"] > 0 and s["speedup_vs_ar"] > 0 and s["tau_se"] >= 0
     assert rep["modes"]["ar"]["tau_se"] == 0  # every ar round commits exactly one token
+    assert {"cpu", "cpu_flags", "threads", "torch", "date"} <= set(rep["machine"])  # where the timings hold
     # one τ per prompt (None for a prompt that stopped at its first token: it had no round)
     pt = rep["modes"]["ar"]["prompt_taus"]
     assert len(pt) == 2 and all(x in (1.0, None) for x in pt)

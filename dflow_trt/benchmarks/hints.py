@@ -3,8 +3,9 @@ measurement behind HINT_TRUST.
 
 Decodes greedily with the DFlow drafter (the target's shipped one by default) and hints off,
 recording each round's drafts, the drafter's confidences and the flow. `heldout` (the default) is
-prompts of the training sources that no shipped drafter trained on (ids divisible by the data sets' held-out stride, 20, below 5,376:
-every third, so every prompt pool is in it), never the eval sets. For each draft k >= 2 whose
+prompts of the training sources that no shipped drafter trained on (ids divisible by the data
+sets' held-out stride, 20, below 5,376: every third, so every prompt pool is in it), never the
+eval sets. For each draft k >= 2 whose
 earlier drafts were all right, and whose flow slot k-1 read the same token as draft k-1 (a
 *consistent* hint, `take_hints`' rule), it counts how often the hint and the draft name the target's
 token. Then it replays every round with `take_hints` at several trusts and reports the mean
