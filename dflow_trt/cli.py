@@ -1,4 +1,4 @@
-"""`dflow-trt` command line: generate, demo (and the other pipeline stages as they land)."""
+"""`dflow-trt` command line: generate, demo, bench <what> and the pipeline stages."""
 
 from __future__ import annotations
 
@@ -49,6 +49,18 @@ COUNT = number(int, 1)  # sizes and counts
 START = number(int, 0)  # offsets
 BLOCK = number(int, 2)  # anchor + at least one draft
 SEED = number(int, 0, MAX_SEED)
+THREADS = COUNT  # torch's intra-op threads
+
+
+def number_list(check):
+    """An argparse `type=`: a comma list of values each passing `check` (a `number(...)`), in order."""
+    def parse(text: str):
+        items = [x.strip() for x in text.split(",")]
+        if not all(items):
+            raise argparse.ArgumentTypeError(f"must be a comma list of numbers, got {text!r}")
+        return [check(x) for x in items]
+
+    return parse
 
 
 def check_output(path: str | None, what: str, folder: bool = False) -> None:
@@ -130,8 +142,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return run_demo(a.target, a.max_new_tokens, a.num_prompts, a.verify_threshold, a.hint_trust, a.alternatives)
 
 
-def cmd_bench(a: argparse.Namespace) -> int:
-    from .bench import run_bench
+def cmd_bench_decode(a: argparse.Namespace) -> int:
+    from .benchmarks.decode import run_bench
 
     check_output(a.json_out, "bench report (--json-out)")
     if a.json_out:
@@ -143,6 +155,87 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return run_bench(a.target, drafters, [m for m in a.modes.split(",") if m], a.dataset.split(","), a.num_prompts,
                      a.max_new_tokens, a.chat, a.block_size, a.json_out, a.plot_out, a.verify_threshold, a.first_prompt,
                      a.hint_trust, a.alternatives)
+
+
+def cmd_bench_round(a: argparse.Namespace) -> int:
+    from .benchmarks import round as bench
+
+    check_output(a.json_out, "round report (--json-out)")
+    return bench.run(a.target, a.mode, a.drafter, a.context, a.repeats, a.plain_linear, a.json_out, a.threads)
+
+
+def cmd_bench_verify(a: argparse.Namespace) -> int:
+    from .benchmarks import verify as bench
+
+    check_output(a.json_out or str(bench.default_json(a.target, a.build)), "verify report (--json-out)")
+    return bench.run(a.target, a.build, a.block, a.contexts, a.repeats, a.json_out, a.threads)
+
+
+def cmd_bench_kv(a: argparse.Namespace) -> int:
+    from .benchmarks import kv as bench
+
+    check_output(a.json_out, "KV cache report (--json-out)")
+    return bench.run(a.target, a.contexts, a.repeats, a.threads, a.json_out)
+
+
+def cmd_bench_scale(a: argparse.Namespace) -> int:
+    from .benchmarks import scale as bench
+
+    check_output(a.json_out, "scale report (--json-out)")
+    return bench.run(a.preset, a.device, a.dtype, a.contexts, a.batch, a.block, a.repeats, a.generate_tokens,
+                     a.json_out, a.threads)
+
+
+def cmd_bench_fp8_matmul(a: argparse.Namespace) -> int:
+    from .benchmarks import fp8_matmul as bench
+
+    check_output(a.json_out, "FP8 matmul report (--json-out)")
+    return bench.run(a.ms, a.repeats, a.json_out)
+
+
+def cmd_bench_serving(a: argparse.Namespace) -> int:
+    from .benchmarks import serving as bench
+
+    if Path(a.json_out).suffix != ".json":
+        raise UserError(f"--json-out {a.json_out} must end in .json (the CSV, PNG and perf_analyzer input go "
+                        f"beside it)")
+    for suffix in (".json", ".csv", ".png"):
+        check_output(str(Path(a.json_out).with_suffix(suffix)), f"load report {suffix} (--json-out)")
+    check_output(str(bench.perf_analyzer_path(a.json_out)), "perf_analyzer input (--json-out)")
+    if a.start and a.url:
+        raise UserError("--start serves on its own address; pass --url or --start, not both")
+    return bench.run(a.url or (None if a.start else "127.0.0.1:8001"), a.start, a.model,
+                     [m for m in a.modes.split(",") if m], a.concurrency, a.requests, a.max_tokens, a.dataset,
+                     a.json_out)
+
+
+def cmd_bench_hints(a: argparse.Namespace) -> int:
+    from .benchmarks import hints as bench
+
+    check_output(a.json_out, "hint report (--json-out)")
+    return bench.run(a.target, a.drafter, a.dataset, a.num_prompts, a.max_new_tokens, a.json_out)
+
+
+def cmd_bench_training(a: argparse.Namespace) -> int:
+    from .benchmarks import training as bench
+
+    check_output(a.json_out, "throughput report (--json-out)")
+    return bench.run(list(dict.fromkeys(a.objective)), a.steps, a.warmup, a.threads, a.data_dir,
+                     bench.parse_overrides(a.set), not a.no_peak, a.json_out)
+
+
+def cmd_bench_training_tau(a: argparse.Namespace) -> int:
+    from .benchmarks import training_tau as bench
+
+    check_output(a.plot_out, "training plot (--plot-out)")
+    return bench.run(a.drafters, a.plot_out)
+
+
+def cmd_bench_zlab_vocab(a: argparse.Namespace) -> int:
+    from .benchmarks import zlab_vocab as bench
+
+    check_output(a.json_out, "vocabulary report (--json-out)")
+    return bench.run(a.target, a.drafter, a.prompts, a.tokens, a.anchors, a.json_out)
 
 
 def cmd_client(a: argparse.Namespace) -> int:
@@ -222,6 +315,143 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
                        help=f"(default {default})")
 
 
+def _add_bench(sub) -> None:
+    """`dflow-trt bench <what>`: every benchmark behind one command, each with its own flags."""
+    bench = sub.add_parser("bench", help="measure: decode (tau, tokens/s per mode), round, verify, kv, scale, "
+                                         "fp8-matmul, serving, hints, training, training-tau, zlab-vocab",
+                           description="Every benchmark prints a table and writes a JSON report that records the "
+                                       "machine it ran on (CPU, flags, threads, torch, date).")
+    what = bench.add_subparsers(dest="what", metavar="WHAT", required=True)
+
+    def add(name: str, func, help: str) -> argparse.ArgumentParser:
+        p = what.add_parser(name, help=help, description=help)
+        p.set_defaults(func=func)
+        return p
+
+    def json_out(p, default: str | None, what_: str = "the report") -> None:
+        p.add_argument("--json-out", default=default,
+                       help=f"write {what_} here" + (f" (default {default})" if default else ""))
+
+    b = add("decode", cmd_bench_decode, "tau, acceptance by position, tokens/s and speedup per mode and dataset")
+    b.add_argument("--target", default="smollm2-135m")
+    b.add_argument("--drafter", default=None, help="one drafter for every drafting mode")
+    b.add_argument("--dflash-drafter", default=None, help="drafter for --mode dflash (default: shipped)")
+    b.add_argument("--dflow-drafter", default=None, help="drafter for --mode dflow (default: shipped)")
+    b.add_argument("--modes", default="ar,dflash,dflow")
+    b.add_argument("--dataset", default="humaneval,mtbench", help="humaneval | mtbench | FILE.jsonl, comma list")
+    b.add_argument("--num-prompts", type=COUNT, default=10)
+    b.add_argument("--first-prompt", type=START, default=0,
+                   help="skip this many prompts of each set: --first-prompt 16 --num-prompts 16 benches prompts 17-32")
+    b.add_argument("--max-new-tokens", type=COUNT, default=128)
+    b.add_argument("--block-size", type=BLOCK, default=None)
+    b.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    json_out(b, None, "the report (and a PNG plot beside it)")
+    b.add_argument("--plot-out", default=None)
+    _add_verify_threshold(b)
+    _add_alternatives(b)
+    _add_hint_trust(b)
+
+    r = add("round", cmd_bench_round, "one round's cost against one ar step by drafts verified: break-even tau "
+                                      "and the marginal draft cost (the natural --verify-threshold)")
+    r.add_argument("--target", default="smollm2-135m")
+    r.add_argument("--mode", default="dflash", choices=["dflash", "dflow"])
+    r.add_argument("--drafter", default=None, help="drafter folder (default: the target's shipped one)")
+    r.add_argument("--context", type=COUNT, default=256)
+    r.add_argument("--repeats", type=COUNT, default=7)
+    r.add_argument("--plain-linear", action="store_true",
+                   help="PyTorch's default CPU linear layers and transformers' own attention instead of "
+                        "backends.torch_cpu (oneDNN-packed weights, grouped K/V), for comparison")
+    r.add_argument("--threads", type=THREADS, default=None)
+    json_out(r, "docs/bench_round.json")
+
+    v = add("verify", cmd_bench_verify, "verify cost against context, torch and ONNX Runtime, with and without "
+                                        "the KV cache (needs a build's ONNX target)")
+    v.add_argument("--target", default="smollm2-135m")
+    v.add_argument("--build", default=None, help="build folder with onnx/target (default build/<target>)")
+    v.add_argument("--block", type=COUNT, default=16)
+    v.add_argument("--contexts", type=number_list(COUNT), default=[64, 128, 256, 512, 1024])
+    v.add_argument("--repeats", type=COUNT, default=5)
+    v.add_argument("--threads", type=THREADS, default=None)
+    json_out(v, None, "the report (default <build>/reports/bench_verify.json)")
+
+    k = add("kv", cmd_bench_kv, "one target forward with transformers' DynamicCache against the in-place cache")
+    k.add_argument("--target", default="smollm2-135m")
+    k.add_argument("--contexts", type=number_list(COUNT), default=[256, 1024])
+    k.add_argument("--repeats", type=COUNT, default=15)
+    k.add_argument("--threads", type=THREADS, default=2)
+    json_out(k, None)
+
+    from .benchmarks.scale import DTYPES, PRESETS
+
+    s = add("scale", cmd_bench_scale, "round cost at Qwen3-8B size on random weights (GPU; --device cpu "
+                                      "--preset smoke to check it on a CPU)")
+    s.add_argument("--preset", default="qwen3-8b", choices=sorted(PRESETS))
+    s.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    s.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    s.add_argument("--contexts", type=number_list(COUNT), default=[512, 2048])
+    s.add_argument("--batch", type=COUNT, default=1)
+    s.add_argument("--block", type=BLOCK, default=16)
+    s.add_argument("--repeats", type=COUNT, default=20)
+    s.add_argument("--generate-tokens", type=START, default=64, help="0 skips the end-to-end generate() timing")
+    s.add_argument("--threads", type=THREADS, default=None)
+    json_out(s, "build/reports/bench_scale.json")
+
+    f = add("fp8-matmul", cmd_bench_fp8_matmul, "FP8 matmuls at Qwen3-8B's shapes: error against float64, "
+                                                "speed against bf16 (CUDA, compute capability 8.9+)")
+    f.add_argument("--ms", type=number_list(COUNT), default=[16, 256, 4096],
+                   help="rows (tokens) per matmul: a verify block up to a prefill")
+    f.add_argument("--repeats", type=COUNT, default=50)
+    json_out(f, "build/reports/bench_fp8_matmul.json")
+
+    sv = add("serving", cmd_bench_serving, "load against a Triton server: a concurrency sweep per mode "
+                                           "(requests/s, tokens/s, TTFT, inter-token latency)")
+    sv.add_argument("--url", default=None, help="HOST:PORT of the gRPC endpoint (default 127.0.0.1:8001)")
+    sv.add_argument("--start", action="store_true", help="start scripts/serve.py's server for the run")
+    sv.add_argument("--model", default="dflow")
+    sv.add_argument("--modes", default="ar,dflash,dflow")
+    sv.add_argument("--concurrency", type=number_list(COUNT), default=[1, 2, 4, 8])
+    sv.add_argument("--requests", type=COUNT, default=8, help="requests per point")
+    sv.add_argument("--max-tokens", type=COUNT, default=32)
+    sv.add_argument("--dataset", default="mtbench", help="humaneval | mtbench | FILE.jsonl (its first 16 prompts)")
+    json_out(sv, "docs/serving_load.json", "the report (CSV, PNG and perf_analyzer's input beside it)")
+
+    h = add("hints", cmd_bench_hints, "how often DFlow's verifier hints are right, and the tau each hint trust "
+                                      "gives on replay (the measurement behind HINT_TRUST)")
+    h.add_argument("--target", default="smollm2-135m")
+    h.add_argument("--drafter", default=None, help="DFlow drafter folder (default: the target's shipped one)")
+    h.add_argument("--dataset", default="heldout", help="heldout | humaneval | mtbench | FILE.jsonl")
+    h.add_argument("--num-prompts", type=COUNT, default=64)
+    h.add_argument("--max-new-tokens", type=COUNT, default=64)
+    json_out(h, None)
+
+    t = add("training", cmd_bench_training, "the trainer's throughput per objective: blocks/s, tokens/s and the "
+                                            "fraction of this CPU's matmul FLOP/s a step reaches")
+    t.add_argument("--objective", nargs="+", default=["dflash", "dflow"], choices=["dflash", "dflow"])
+    t.add_argument("--steps", type=COUNT, default=8, help="timed trainer steps per objective")
+    t.add_argument("--warmup", type=START, default=2, help="untimed steps first")
+    t.add_argument("--threads", type=THREADS, default=None)
+    t.add_argument("--data-dir", default=None, help="a data set with a state cache, or a new folder to keep the "
+                                                    "synthetic one in (default: a temporary folder)")
+    t.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="TrainConfig fields over the shipped drafters' settings, e.g. seqs_per_step=4 (JSON values)")
+    t.add_argument("--no-peak", action="store_true", help="skip the matmul microbenchmark")
+    json_out(t, None)
+
+    tt = add("training-tau", cmd_bench_training_tau, "held-out tau against training steps from drafters' "
+                                                     "train_log.jsonl, as a PNG")
+    tt.add_argument("drafters", nargs="*", help="drafter folders (default: the shipped smollm2-135m drafters)")
+    tt.add_argument("--plot-out", default="docs/training_tau.png")
+
+    z = add("zlab-vocab", cmd_bench_zlab_vocab, "how often a reduced-vocabulary drafter proposes the same tokens "
+                                                "over the target's full LM head (z-lab's layout)")
+    z.add_argument("--target", default="smollm2-135m")
+    z.add_argument("--drafter", default=None, help="drafter folder (default: the target's shipped dflash one)")
+    z.add_argument("--prompts", type=COUNT, default=8)
+    z.add_argument("--tokens", type=COUNT, default=48)
+    z.add_argument("--anchors", type=COUNT, default=16)
+    json_out(z, None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = Parser(prog="dflow-trt", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -253,25 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_hint_trust(d)
     d.set_defaults(func=cmd_demo)
 
-    b = sub.add_parser("bench", help="tau, acceptance by position, tokens/s and speedup per mode and dataset")
-    b.add_argument("--target", default="smollm2-135m")
-    b.add_argument("--drafter", default=None, help="one drafter for every drafting mode")
-    b.add_argument("--dflash-drafter", default=None, help="drafter for --mode dflash (default: shipped)")
-    b.add_argument("--dflow-drafter", default=None, help="drafter for --mode dflow (default: shipped)")
-    b.add_argument("--modes", default="ar,dflash,dflow")
-    b.add_argument("--dataset", default="humaneval,mtbench", help="humaneval | mtbench | FILE.jsonl, comma list")
-    b.add_argument("--num-prompts", type=COUNT, default=10)
-    b.add_argument("--first-prompt", type=START, default=0,
-                   help="skip this many prompts of each set: --first-prompt 16 --num-prompts 16 benches prompts 17-32")
-    b.add_argument("--max-new-tokens", type=COUNT, default=128)
-    b.add_argument("--block-size", type=BLOCK, default=None)
-    b.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
-    b.add_argument("--json-out", default=None, help="write the report here (and a PNG plot beside it)")
-    b.add_argument("--plot-out", default=None)
-    _add_verify_threshold(b)
-    _add_alternatives(b)
-    _add_hint_trust(b)
-    b.set_defaults(func=cmd_bench)
+    _add_bench(sub)
 
     c = sub.add_parser("client", help="decode through a running Triton server (gRPC streaming)")
     c.add_argument("--url", default=None, help="HOST:PORT (default 127.0.0.1:8001 for grpc, :8000 for http)")
@@ -345,6 +557,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ap = build_parser()
         _quiet_libraries()
+        args = sys.argv[1:] if argv is None else argv
+        if args[:1] == ["bench"] and len(args) > 1 and args[1].startswith("-") and args[1] not in ("-h", "--help"):
+            raise UserError(f"name what to bench before its flags: `dflow-trt bench decode {args[1]} ...` is what "
+                            f"`dflow-trt bench {args[1]} ...` was; see `dflow-trt bench --help`")
         a = ap.parse_args(argv)
         if interrupts:  # a library swallowed it while importing (numpy's typing, under torch's import)
             raise KeyboardInterrupt

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from .bench import MODES, run_modes
+from .benchmarks.decode import MODES, run_modes
 from .decoding.flow import HINT_TRUST
 from .drafter.defaults import load_target_and_drafter
 from .prompting import encode_prompts
@@ -20,7 +20,7 @@ DEMO_PROMPTS = [
 
 
 # Verify a draft when its estimated acceptance chance beats its marginal cost in `ar` steps:
-# 0.053-0.056 on the 2-core CI CPU (scripts/bench_round.py); on a GPU a draft costs ~nothing (use 0).
+# 0.053-0.056 on the 2-core CI CPU (`dflow-trt bench round`); on a GPU a draft costs ~nothing (use 0).
 CPU_VERIFY_THRESHOLD = 0.05
 # ... and verify the drafter's runner-ups for draft 1 that clear the same bar, beside the chain
 # (`generate(alternatives=)`): a runner-up with probability p is the target's token about p of the time.

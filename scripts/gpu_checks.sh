@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a lent GPU host should check, in one call (about 9 minutes on an H200):
-#   1. FP8 matmuls at Qwen3-8B's linear shapes (scripts/bench_fp8_matmul.py);
-#   2. draft / verify round cost at Qwen3-8B size, random init, bf16 (scripts/bench_scale.py);
+#   1. FP8 matmuls at Qwen3-8B's linear shapes (`dflow-trt bench fp8-matmul`);
+#   2. draft / verify round cost at Qwen3-8B size, random init, bf16 (`dflow-trt bench scale`);
 #   3. the device-capable tests on CUDA (decoding loop, lossless greedy and sampling, flow, training).
 # Needs torch (CUDA), transformers 5.17, safetensors, tqdm, rich, scipy, pytest; runs from the repo root
 # without installing the package. The training tests also read the held-out prompt files of the
@@ -19,8 +19,8 @@ fi
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv;
   $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } \
   2>&1 | tee "$OUT/env.txt"
-timeout 150 $PY scripts/bench_fp8_matmul.py --json "$OUT/bench_fp8_matmul.json" 2>&1 | tee "$OUT/fp8.log"
-timeout 240 $PY scripts/bench_scale.py --preset qwen3-8b --contexts 512,2048 --json "$OUT/bench_scale.json" \
+timeout 150 $PY -m dflow_trt.cli bench fp8-matmul --json-out "$OUT/bench_fp8_matmul.json" 2>&1 | tee "$OUT/fp8.log"
+timeout 240 $PY -m dflow_trt.cli bench scale --preset qwen3-8b --contexts 512,2048 --json-out "$OUT/bench_scale.json" \
   2>&1 | tee "$OUT/scale.log"
 DFLOW_TRT_TEST_DEVICE=cuda timeout "${PYTEST_TIMEOUT:-480}" $PY -m pytest -q -m "not slow" -p no:cacheprovider \
   tests/test_lossless.py tests/test_sampling_lossless.py tests/test_flow.py tests/test_acceptance.py \

@@ -57,7 +57,7 @@ def test_bench_reports_every_mode(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "abc"}\n{"prompt": "hello there"}\n')
     out = tmp_path / "bench.json"
-    r = _cli("bench", "--target", "tiny-qwen3", "--dataset", str(prompts), "--num-prompts", "2",
+    r = _cli("bench", "decode", "--target", "tiny-qwen3", "--dataset", str(prompts), "--num-prompts", "2",
              "--max-new-tokens", "12", "--block-size", "4", "--json-out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     rep = json.loads(out.read_text())
@@ -66,6 +66,7 @@ def test_bench_reports_every_mode(tmp_path):
         assert s["matches_ar"] is True
         assert s["tau"] >= 1 and s["tokens_per_s"] > 0 and s["speedup_vs_ar"] > 0 and s["tau_se"] >= 0
     assert rep["modes"]["ar"]["tau_se"] == 0  # every ar round commits exactly one token
+    assert {"cpu", "cpu_flags", "threads", "torch", "date"} <= set(rep["machine"])  # where the timings hold
     # one τ per prompt (None for a prompt that stopped at its first token: it had no round)
     pt = rep["modes"]["ar"]["prompt_taus"]
     assert len(pt) == 2 and all(x in (1.0, None) for x in pt)
@@ -83,7 +84,8 @@ def test_bench_reports_every_mode(tmp_path):
     assert pd["prompts"] == n and pd["dflow_ahead"] + pd["dflash_ahead"] <= n and pd["tau_diff_se"] >= 0
     assert "dflow − dflash, per prompt" in r.stdout
     # a verify threshold keeps the tokens and sends fewer drafts
-    r = _cli("bench", "--target", "tiny-qwen3", "--dataset", str(prompts), "--num-prompts", "2", "--modes", "dflow",
+    r = _cli("bench", "decode", "--target", "tiny-qwen3", "--dataset", str(prompts), "--num-prompts", "2",
+             "--modes", "dflow",
              "--max-new-tokens", "12", "--block-size", "4", "--verify-threshold", "0.5", "--json-out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     rep = json.loads(out.read_text())
@@ -100,7 +102,8 @@ def test_bench_first_prompt_slices_each_set(tmp_path):
     reps, stdout = [], []
     for ds, extra in ((every, ["--first-prompt", "1"]), (tail, [])):
         out = tmp_path / f"{ds.stem}.json"
-        r = _cli("bench", "--target", "tiny-qwen3", "--dataset", str(ds), "--num-prompts", "2", "--modes", "ar,dflow",
+        r = _cli("bench", "decode", "--target", "tiny-qwen3", "--dataset", str(ds), "--num-prompts", "2",
+                 "--modes", "ar,dflow",
                  "--max-new-tokens", "12", "--block-size", "4", "--json-out", str(out), *extra)
         assert r.returncode == 0, r.stdout + r.stderr
         reps.append(json.loads(out.read_text()))
@@ -108,12 +111,12 @@ def test_bench_first_prompt_slices_each_set(tmp_path):
     assert reps[0]["first_prompt"] == 1 and "prompts 2–3" in stdout[0]
     for k in ("new_tokens", "tau", "acceptance_by_position", "prompt_taus"):
         assert reps[0]["modes"]["dflow"][k] == reps[1]["modes"]["dflow"][k], k
-    _one_line_error(_cli("bench", "--target", "tiny-qwen3", "--dataset", str(every), "--first-prompt", "4"),
+    _one_line_error(_cli("bench", "decode", "--target", "tiny-qwen3", "--dataset", str(every), "--first-prompt", "4"),
                     "has 4 prompts", "--first-prompt 4")
 
 
 def test_bench_bad_dataset():
-    _one_line_error(_cli("bench", "--target", "tiny-qwen3", "--dataset", "nope"), "unknown dataset")
+    _one_line_error(_cli("bench", "decode", "--target", "tiny-qwen3", "--dataset", "nope"), "unknown dataset")
 
 
 def test_generate_backend_onnxruntime_equals_torch(tmp_path):
@@ -142,7 +145,7 @@ def test_fp8_check_subcommand_registered():
 
 
 def test_bench_tau_standard_error():
-    from dflow_trt.bench import ModeRun
+    from dflow_trt.benchmarks.decode import ModeRun
 
     r = ModeRun(tokens=[[0] * 6], acceptance=[1, 2, 3], seconds=1.0, drafter="d", block_size=4)
     assert r.tau == 2 and r.tau_se == pytest.approx((1 / 3) ** 0.5)  # sample variance 1 over 3 rounds
@@ -150,7 +153,7 @@ def test_bench_tau_standard_error():
 
 
 def test_bench_pairs_dflow_with_dflash_per_prompt():
-    from dflow_trt.bench import ModeRun, _paired
+    from dflow_trt.benchmarks.decode import ModeRun, _paired
 
     # prompt τs: dflash 2, 1, 3; dflow 3, 1, 2.5 -> differences +1, 0, -0.5
     a = ModeRun([[0]] * 3, [2, 2, 1, 1, 3], 1.0, "a", 4, rounds_per_prompt=[2, 2, 1])

@@ -136,9 +136,9 @@ def bad(tmp_path_factory, tiny_qwen3):
     (["demo", *T, "--num-prompts", "0"], "--num-prompts"),
     (["demo", *T, "--num-prompts", "99"], "--num-prompts"),
     (["demo", *T, "--max-new-tokens", "nan"], "--max-new-tokens"),
-    (["bench", *T, "--num-prompts", "0"], "--num-prompts"),
-    (["bench", *T, "--first-prompt", "-1"], "--first-prompt"),
-    (["bench", *T, "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["bench", "decode", *T, "--num-prompts", "0"], "--num-prompts"),
+    (["bench", "decode", *T, "--first-prompt", "-1"], "--first-prompt"),
+    (["bench", "decode", *T, "--max-new-tokens", "0"], "--max-new-tokens"),
     (["client", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["client", "--prompt", "hi", "--temperature", "nan"], "--temperature"),
     (["make-data", *T, "--num-prompts", "0"], "--num-prompts"),
@@ -259,17 +259,17 @@ def test_broken_drafter_folder(capsys, bad, name, needles):
     ("long.jsonl", ["prompt 2 of", "context"]),  # checked before prompt 1 is decoded
 ])
 def test_bad_benchmark_file(capsys, monkeypatch, bad, name, needles):
-    import dflow_trt.bench as bench
+    import dflow_trt.benchmarks.decode as bench
 
     monkeypatch.setattr(bench, "generate", lambda *a, **k: pytest.fail("decoded before refusing"))
-    refused(capsys, ["bench", *T, "--dataset", bad / name, "--max-new-tokens", "4"], *needles)
+    refused(capsys, ["bench", "decode", *T, "--dataset", bad / name, "--max-new-tokens", "4"], *needles)
 
 
 def test_bench_refuses_a_flowless_dflow_drafter_before_decoding(capsys, monkeypatch, bad):
-    import dflow_trt.bench as bench
+    import dflow_trt.benchmarks.decode as bench
 
     monkeypatch.setattr(bench, "generate", lambda *a, **k: pytest.fail("decoded before refusing"))
-    refused(capsys, ["bench", *T, "--dataset", bad / "ok.jsonl", "--dflow-drafter", bad / "dflash",
+    refused(capsys, ["bench", "decode", *T, "--dataset", bad / "ok.jsonl", "--dflow-drafter", bad / "dflash",
                      "--max-new-tokens", "4", "--block-size", "4"], "without flow conditioning")
 
 
@@ -291,13 +291,13 @@ DIR_OUTS = ["under-a-file", "proc", "file-for-folder"]
 @pytest.mark.parametrize("kind", FILE_OUTS)
 @pytest.mark.parametrize("flag", ["--json-out", "--plot-out"])
 def test_bench_outputs_checked_before_the_run(capsys, monkeypatch, tmp_path, bad, flag, kind):
-    import dflow_trt.bench as bench
+    import dflow_trt.benchmarks.decode as bench
 
     monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("benched before checking its outputs"))
     path = _unwritable(tmp_path, kind)
     before = files(tmp_path)
     extra = ["--json-out", tmp_path / "ok.json"] if flag == "--plot-out" else []
-    refused(capsys, ["bench", *T, "--dataset", bad / "ok.jsonl", *extra, flag, path], flag)
+    refused(capsys, ["bench", "decode", *T, "--dataset", bad / "ok.jsonl", *extra, flag, path], flag)
     assert files(tmp_path) == before
 
 
@@ -330,7 +330,7 @@ def test_ctrl_c_is_one_line_and_130(tmp_path, bad):
     prompts = tmp_path / "many.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"prompt number {i}"}) + "\n" for i in range(200)))
     out = tmp_path / "report.json"
-    p = subprocess.Popen([sys.executable, "-m", "dflow_trt.cli", "bench", *T, "--dataset", str(prompts),
+    p = subprocess.Popen([sys.executable, "-m", "dflow_trt.cli", "bench", "decode", *T, "--dataset", str(prompts),
                           "--num-prompts", "200", "--max-new-tokens", "200", "--modes", "ar",
                           "--json-out", str(out)], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
     seen = b""

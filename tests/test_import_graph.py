@@ -14,7 +14,7 @@ longest entry that names it or a package above it):
     7  training
     8  export                             ONNX, FP8, TensorRT-LLM artefacts (FP8 calibrates on training's prompts)
     9  serving
-   10  cli, export.cli, bench, demo       entry points (`export/cli.py` is the CLI's build commands)
+   10  cli, export.cli, benchmarks, demo  entry points (`export/cli.py` is the CLI's build commands)
 
 So `decoding/` imports nothing above it, and decoding, targets, drafter and backends never import
 `export` (one exception, in ALLOWED). A new module must fall in a layer; a new upward import fails
@@ -39,7 +39,7 @@ LAYERS = [
     ("training",),
     ("export",),
     ("serving",),
-    ("cli", "export.cli", "bench", "demo"),
+    ("cli", "export.cli", "benchmarks", "demo"),
 ]
 
 # (importer, imported): why this upward import stands

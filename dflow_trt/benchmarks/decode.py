@@ -1,4 +1,4 @@
-"""`dflow-trt bench`: τ, per-position acceptance, tokens/s and speedup per mode and dataset.
+"""`dflow-trt bench decode`: τ, per-position acceptance, tokens/s and speedup per mode and dataset.
 
 Every mode runs greedy on the same prompts, interleaved prompt by prompt so that drift in the
 machine's speed cancels out of the speedups; each mode's tokens are checked against `ar`'s
@@ -7,34 +7,23 @@ machine's speed cancels out of the speedups; each mode's tokens are checked agai
 
 from __future__ import annotations
 
-import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from .atomic import atomic_file, write_text
-from .decoding.flow import HINT_TRUST
-from .decoding.loop import generate
-from .drafter.defaults import load_target_and_drafter
-from .drafter.runtime import TorchDrafter
-from .errors import UserError
-from .evalsets import load_prompts
-from .prompting import encode_prompts
+from ..atomic import atomic_file
+from ..decoding.flow import HINT_TRUST
+from ..decoding.loop import generate
+from ..drafter.defaults import load_target_and_drafter
+from ..drafter.runtime import TorchDrafter
+from ..errors import UserError
+from ..evalsets import load_prompts
+from ..prompting import encode_prompts
+from .report import console as wide_console, standard_error, write_json
 
 MODES = ("ar", "dflash", "dflow")
-
-
-def _standard_error(xs: list[float]) -> float:
-    """Standard error of the mean of xs (sample variance; 0 for fewer than two values)."""
-    n = len(xs)
-    if n < 2:
-        return 0.0
-    mean = sum(xs) / n
-    return (sum((x - mean) ** 2 for x in xs) / (n - 1) / n) ** 0.5
 
 
 @dataclass
@@ -64,7 +53,7 @@ class ModeRun:
     @property
     def tau_se(self) -> float:
         """Standard error of τ over rounds (rounds of one prompt are not independent: a lower bound)."""
-        return _standard_error(self.acceptance)
+        return standard_error(self.acceptance)
 
     @property
     def tokens_per_s(self) -> float:
@@ -140,7 +129,7 @@ def _paired(runs: dict[str, ModeRun]) -> dict | None:
     n = len(d)
     if n == 0:
         return None
-    return {"tau_diff_mean": sum(d) / n, "tau_diff_se": _standard_error(d), "prompts": n,
+    return {"tau_diff_mean": sum(d) / n, "tau_diff_se": standard_error(d), "prompts": n,
             "dflow_ahead": sum(x > 0 for x in d), "dflash_ahead": sum(x < 0 for x in d)}
 
 
@@ -193,8 +182,7 @@ def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], da
               max_new_tokens: int, chat: bool, block_size: int | None, json_out: str | None,
               plot_out: str | None = None, verify_threshold: float = 0.0, first_prompt: int = 0,
               hint_trust: float = HINT_TRUST, alternatives: int = 0) -> int:
-    # a log file gets the whole table: rich would wrap its nine columns at 80 when not on a terminal
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    console = wide_console()
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise UserError(f"unknown mode(s) {bad}; use a comma list of {','.join(MODES)}")
@@ -245,7 +233,7 @@ def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], da
             console.print(f"dflow − dflash, per prompt: τ {pd['tau_diff_mean']:+.3f} ± {pd['tau_diff_se']:.3f}; "
                           f"dflow ahead on {pd['dflow_ahead']} of {pd['prompts']} prompts, dflash on {pd['dflash_ahead']}")
     if json_out:
-        out = write_text(json_out, json.dumps(report, indent=2) + "\n")
+        out = write_json(json_out, report)
         _plot(report, Path(plot_out) if plot_out else out.with_suffix(".png"))
         console.print(f"wrote {out} and {Path(plot_out) if plot_out else out.with_suffix('.png')}")
     lossless = all(s["matches_ar"] for s in report["modes"].values())

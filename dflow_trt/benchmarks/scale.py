@@ -1,24 +1,19 @@
-"""Round cost at realistic sizes: a random-init target and drafter shaped like Qwen3-8B and DFlash's.
-
-    python scripts/bench_scale.py [--preset qwen3-8b] [--device cuda] [--dtype bfloat16]
-                                  [--contexts 512,2048] [--batch 1] [--repeats 20] [--json OUT]
+"""`dflow-trt bench scale`: round cost at realistic sizes, on a random-init target and drafter shaped
+like Qwen3-8B and DFlash's.
 
 τ needs trained weights; what a round costs does not. For each context length: one `ar` step
 (verify 1 token), a verify of the anchor + k drafts, one drafter pass without flow (DFlash) and
 with a full flow block (DFlow), and the speedup a given τ would give: τ · ar / (draft + verify).
 Then `generate()` end to end for `ar` and `dflow` (the drafter is random, so τ ≈ 1): the loop's
-own cost per round, host syncs included. Prints a table and writes JSON. Not a test.
+own cost per round, host syncs included.
 """
 
-import argparse
-import json
-import os
-import sys
-import time
-from pathlib import Path
+from __future__ import annotations
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_verify import _time  # noqa: E402  (scripts/ is on sys.path)
+import time
+
+from ..errors import UserError
+from . import report
 
 # Target shapes from the public Qwen3 configs; drafter as DFlash's Qwen3-8B drafter (5 layers, 5 taps).
 PRESETS = {
@@ -30,24 +25,20 @@ PRESETS = {
                                    num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936),
                        drafter=dict(num_layers=3, num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=6144),
                        taps=5),
-    # a few-MB stand-in so the script itself can be checked on a CPU in seconds
+    # a few-MB stand-in so the benchmark itself can be checked on a CPU in seconds
     "smoke": dict(target=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=32, vocab_size=1024),
                   drafter=dict(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256), taps=3),
 }
 TAUS = (2.0, 3.0, 4.0, 5.0, 6.6)  # 6.6: DFlash's published HumanEval τ on Qwen3-8B (block 16)
+DTYPES = ("bfloat16", "float16", "float32")
 
 
-def _sync(device):
+def device_sync(device):
     """A function that waits for `device` to finish its queued work (nothing to wait for on a CPU)."""
     import torch
 
-    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
-
-def _timer(sync):
-    """bench_verify's median-of-repeats timer, each call waited for on the device."""
-    return lambda fn, repeats: _time(lambda: (fn(), sync()), repeats)
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
 
 
 def build(preset: str, device: str, dtype: str, block: int, seed: int = 0):
@@ -55,10 +46,10 @@ def build(preset: str, device: str, dtype: str, block: int, seed: int = 0):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dflow_trt.drafter.config import DrafterConfig
-    from dflow_trt.drafter.io import build_drafter
-    from dflow_trt.drafter.runtime import TorchDrafter
-    from dflow_trt.targets.hf_target import HFTarget, default_tap_layers
+    from ..drafter.config import DrafterConfig
+    from ..drafter.io import build_drafter
+    from ..drafter.runtime import TorchDrafter
+    from ..targets.hf_target import HFTarget, default_tap_layers
 
     p = PRESETS[preset]
     cfg = Qwen3Config(**p["target"], max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=False,
@@ -78,12 +69,16 @@ def build(preset: str, device: str, dtype: str, block: int, seed: int = 0):
     return target, drafter
 
 
-def bench_context(target, drafter, P: int, B: int, repeats: int, ms, ks=None) -> dict:
-    """One context length: ar step, verify of the anchor + k drafts (each k in `ks`), drafter passes."""
+def bench_context(target, drafter, P: int, B: int, repeats: int, sync=None, ks=None) -> dict:
+    """One context length: ar step, verify of the anchor + k drafts (each k in `ks`), drafter passes,
+    each the median of `repeats` (`report.time_ms`, waited for with `sync`)."""
     import torch
 
-    from dflow_trt.decoding.flow import carry_flow
-    from dflow_trt.decoding.sampling import SamplingParams
+    from ..decoding.flow import carry_flow
+    from ..decoding.sampling import SamplingParams
+
+    def ms(fn, n):
+        return report.time_ms(fn, n, sync)
 
     dev, S, V = target.device, drafter.block_size, target.info.vocab_size
     g = torch.Generator().manual_seed(P)
@@ -99,7 +94,8 @@ def bench_context(target, drafter, P: int, B: int, repeats: int, ms, ks=None) ->
         target.commit(cache, torch.ones(B, dtype=torch.long))  # a fully rejected round commits one position
 
     ar_ms = ms(lambda: verify(0), repeats)
-    verify_ms = {k: ms(lambda k=k: verify(k), repeats) for k in sorted(ks or {1, 3, 7, S - 1})}
+    ks = sorted(ks or {k for k in (1, 3, 7, S - 1) if 0 < k < S})
+    verify_ms = {k: ms(lambda k=k: verify(k), repeats) for k in ks}
     vout = target.verify(cache, block)
     flow = carry_flow(block, vout.taps, vout.logits.argmax(-1), torch.zeros(B, dtype=torch.long, device=dev))
     target.commit(cache, torch.ones(B, dtype=torch.long))
@@ -123,8 +119,9 @@ def bench_context(target, drafter, P: int, B: int, repeats: int, ms, ks=None) ->
 def bench_generate(target, drafter, P: int, new_tokens: int, sync) -> dict:
     import torch
 
-    from dflow_trt.decoding.loop import generate
+    from ..decoding.loop import generate
 
+    sync = sync or (lambda: None)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, target.info.vocab_size, (P,), generator=g).tolist()
     res = {}
@@ -140,63 +137,45 @@ def bench_generate(target, drafter, P: int, new_tokens: int, sync) -> dict:
     return res
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="qwen3-8b", choices=sorted(PRESETS))
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--contexts", default="512,2048")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--block", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--generate-tokens", type=int, default=64, help="0 skips the end-to-end generate() timing")
-    ap.add_argument("--json", default="build/reports/bench_scale.json")
-    a = ap.parse_args(argv)
+def run(preset: str = "qwen3-8b", device: str = "cuda", dtype: str = "bfloat16", contexts=(512, 2048),
+        batch: int = 1, block: int = 16, repeats: int = 20, generate_tokens: int = 64,
+        json_out: str | None = "build/reports/bench_scale.json", threads: int | None = None) -> int:
     import torch
 
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        print("error: --device cuda but no CUDA GPU is visible; use a GPU host or --device cpu --preset smoke",
-              file=sys.stderr)
-        return 2
-    dev = torch.device(a.device)
-    sync = _sync(dev)
-    ms = _timer(sync)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda but no CUDA GPU is visible; use a GPU host or --device cpu --preset smoke")
+    report.set_threads(threads)
+    dev = torch.device(device)
+    sync = device_sync(dev)
     t0 = time.perf_counter()
-    target, drafter = build(a.preset, a.device, a.dtype, a.block)
+    target, drafter = build(preset, device, dtype, block)
     build_s = time.perf_counter() - t0
     n_target = sum(p.numel() for p in target.model.parameters())
     n_drafter = sum(p.numel() for p in drafter.model.parameters())
     card = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
-    print(f"{a.preset} random init, {a.dtype}, {card}: target {n_target / 1e6:.0f}M params, "
-          f"drafter {n_drafter / 1e6:.0f}M trainable, built in {build_s:.0f} s")
-    rows = [bench_context(target, drafter, int(P), a.batch, a.repeats, ms) for P in a.contexts.split(",")]
-    gen = bench_generate(target, drafter, int(a.contexts.split(",")[0]), a.generate_tokens, sync) \
-        if a.generate_tokens else None
+    con = report.console()
+    con.print(f"{preset} random init, {dtype}, {card}: target {n_target / 1e6:.0f}M params, "
+              f"drafter {n_drafter / 1e6:.0f}M trainable, built in {build_s:.0f} s")
+    rows = [bench_context(target, drafter, P, batch, repeats, sync) for P in contexts]
+    gen = bench_generate(target, drafter, contexts[0], generate_tokens, sync) if generate_tokens else None
 
     ks = list(rows[0]["verify_ms"])
-    print(f"{'context':>7} {'ar ms':>7} " + " ".join(f"{'v' + k + ' ms':>7}" for k in ks)
-          + f" {'dflash':>7} {'dflow':>7} {'b-even':>6} " + " ".join(f"{'τ=' + str(t):>6}" for t in TAUS))
-    for r in rows:
-        print(f"{r['context']:>7} {r['ar_step_ms']:>7.2f} " + " ".join(f"{r['verify_ms'][k]:>7.2f}" for k in ks)
-              + f" {r['draft_ms_dflash']:>7.2f} {r['draft_ms_dflow'] or float('nan'):>7.2f} {r['break_even_tau']:>6.2f} "
-              + " ".join(f"{r['projected_speedup'][str(t)]:>5.2f}×" for t in TAUS))
-    print("(v<k>: verify of anchor + k drafts; dflash/dflow: one drafter pass; b-even: τ at which a full-block "
-          "DFlow round matches ar; τ=x: projected speedup over ar)")
+    report.table(f"{preset}: ms per call, median of {repeats}",
+                 ["context", "ar ms", *(f"v{k} ms" for k in ks), "dflash", "dflow", "b-even",
+                  *(f"τ={t}" for t in TAUS)],
+                 [[r["context"], f"{r['ar_step_ms']:.2f}", *(f"{r['verify_ms'][k]:.2f}" for k in ks),
+                   f"{r['draft_ms_dflash']:.2f}", f"{r['draft_ms_dflow'] or float('nan'):.2f}",
+                   f"{r['break_even_tau']:.2f}", *(f"{r['projected_speedup'][str(t)]:.2f}×" for t in TAUS)]
+                  for r in rows], con)
+    con.print("(v<k>: verify of anchor + k drafts; dflash/dflow: one drafter pass; b-even: τ at which a full-block "
+              "DFlow round matches ar; τ=x: projected speedup over ar)")
     if gen:
-        print(f"generate(), context {rows[0]['context']}, {a.generate_tokens} tokens: ar {gen['ar']['ms_per_round']:.2f}"
-              f" ms/step; dflow (random drafter, τ {gen['dflow']['tau']:.2f}) {gen['dflow']['ms_per_round']:.2f} "
-              f"ms/round; dflow matches ar: {gen['dflow_matches_ar']}")
-    report = {"preset": a.preset, "dtype": a.dtype, "device": card, "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d"), "target_params": n_target, "drafter_params": n_drafter,
-              "block": a.block, "repeats": a.repeats, "rows": rows, "generate": gen}
-    out = Path(a.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, out)
-    print(f"wrote {out}")
+        con.print(f"generate(), context {rows[0]['context']}, {generate_tokens} tokens: ar "
+                  f"{gen['ar']['ms_per_round']:.2f} ms/step; dflow (random drafter, τ {gen['dflow']['tau']:.2f}) "
+                  f"{gen['dflow']['ms_per_round']:.2f} ms/round; dflow matches ar: {gen['dflow_matches_ar']}")
+    out = {"preset": preset, "dtype": dtype, "device": card, "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d"), "target_params": n_target, "drafter_params": n_drafter,
+           "block": block, "repeats": repeats, "rows": rows, "generate": gen}
+    if json_out:
+        con.print(f"wrote {report.write_json(json_out, out)}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

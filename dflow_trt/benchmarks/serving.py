@@ -1,0 +1,63 @@
+"""`dflow-trt bench serving`: load against a running Triton server (or one it starts), a concurrency
+sweep per mode: requests/s, output tokens/s, τ, time to first token and inter-token latency.
+
+Writes JSON, CSV and a PNG (`serving.load.write_report`), and perf_analyzer's input file beside
+them with its command line printed (the binary needs glibc >= 2.38, so it runs only on newer hosts).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from ..errors import UserError
+from . import report
+
+
+def perf_analyzer_path(json_out: str | Path) -> Path:
+    out = Path(json_out)
+    return out.with_name(out.stem + "_perf_analyzer_input.json")
+
+
+def run(url: str | None = "127.0.0.1:8001", start: bool = False, model: str = "dflow",
+        modes=("ar", "dflash", "dflow"), concurrency=(1, 2, 4, 8), requests: int = 8, max_tokens: int = 32,
+        dataset: str = "mtbench", json_out: str = "docs/serving_load.json") -> int:
+    from ..evalsets import load_prompts
+    from ..serving.client import health
+    from ..serving.load import perf_analyzer_inputs, run_point, write_report
+
+    prompts = load_prompts(dataset)[:16]
+    con = report.console()
+    server = None
+    if start:
+        from ..serving.server import start_server
+
+        server = start_server(log_path="build/triton/server.log")
+        url = server.grpc_url
+    try:
+        if not health(url, "grpc", model):
+            raise UserError(f"no ready Triton server with the {model} model at {url} (grpc); start one with "
+                            f"`python scripts/serve.py` or pass --start")
+        points, rows = [], []
+
+        def pct(d):
+            return "/".join(f"{d[k]:.0f}" for k in ("p50", "p90", "p99"))
+
+        for mode in modes:
+            for c in concurrency:
+                p = run_point(url, prompts, mode, c, max(requests, c), max_tokens, model)
+                points.append(p)
+                con.print(f"{mode} × {c}: {p.output_tokens_per_s:.1f} tokens/s", style="dim")
+                rows.append([mode, c, f"{p.requests_per_s:.2f}", f"{p.output_tokens_per_s:.1f}", f"{p.tau:.2f}",
+                             pct(p.ttft_ms), pct(p.itl_ms)])
+        report.table(f"{model} at {url}: {max_tokens} tokens per request, {dataset} prompts",
+                     ["mode", "conc", "req/s", "tok/s", "tau", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms"], rows, con)
+        for path in write_report(points, Path(json_out).with_suffix("")):
+            con.print(f"wrote {path}")
+        cmd = perf_analyzer_inputs(prompts, "dflow", max_tokens, perf_analyzer_path(json_out))
+        where = "found" if shutil.which("perf_analyzer") else "not installed here (needs glibc >= 2.38)"
+        con.print(f"perf_analyzer ({where}):\n  {cmd}", soft_wrap=True)
+    finally:
+        if server:
+            server.stop()
+    return 0
