@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import signal
 import sys
 import threading
@@ -12,64 +11,8 @@ from pathlib import Path
 
 from .errors import UserError
 
-MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's range, as decoding.sampling's (not imported: it loads torch)
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse whose refusals end like every other one: a single `error: ...` line, exit 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
-
-
-def number(kind: type = int, lo: float | None = None, hi: float | None = None,
-           lo_open: bool = False, hi_open: bool = False):
-    """An argparse `type=`: a finite int or float within lo..hi (an open end excludes the bound)."""
-    what = "an integer" if kind is int else "a finite number"
-    if lo is not None and hi is not None:
-        what += f" in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-    elif lo is not None:
-        what += f" {'>' if lo_open else '>='} {lo}"
-
-    def parse(text: str):
-        try:
-            x = kind(text)
-            ok = (kind is int or math.isfinite(x)) and (lo is None or (x > lo if lo_open else x >= lo)) \
-                and (hi is None or (x < hi if hi_open else x <= hi))
-        except ValueError:
-            ok = False
-        if not ok:
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
-        return x
-
-    return parse
-
-
-COUNT = number(int, 1)  # sizes and counts
-START = number(int, 0)  # offsets
-BLOCK = number(int, 2)  # anchor + at least one draft
-SEED = number(int, 0, MAX_SEED)
-THREADS = COUNT  # torch's intra-op threads
-
-
-def number_list(check):
-    """An argparse `type=`: a comma list of values each passing `check` (a `number(...)`), in order."""
-    def parse(text: str):
-        items = [x.strip() for x in text.split(",")]
-        if not all(items):
-            raise argparse.ArgumentTypeError(f"must be a comma list of numbers, got {text!r}")
-        return [check(x) for x in items]
-
-    return parse
-
-
-def check_output(path: str | None, what: str, folder: bool = False) -> None:
-    """Refuse an output path that cannot be written, before the work that would fill it."""
-    from .atomic import check_writable
-
-    if path is not None:
-        check_writable(path, what, folder)
-
+from .flags import BLOCK, COUNT, SEED, START, THREADS, Parser, check_output, number, number_list
+from .export.cli import register as register_export
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     from .decoding.sampling import MAX_TEMPERATURE, MIN_TEMPERATURE
@@ -109,7 +52,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from .decoding.loop import generate
     from .decoding.options import DecodeOptions
     from .decoding.sampling import SamplingParams
-    from .backends.loading import load_backends
+    from .loading import load_backends
     from .prompting import check_prompt, encode_prompts
 
     check_prompt(a.prompt)  # sizes are checked by argparse, the context once the prompt is tokenized
@@ -144,7 +87,10 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 def cmd_bench_decode(a: argparse.Namespace) -> int:
     from .benchmarks.decode import run_bench
+    from .decoding.options import DecodeOptions
 
+    options = DecodeOptions(max_new_tokens=a.max_new_tokens, block_size=a.block_size,
+                            verify_threshold=a.verify_threshold, hint_trust=a.hint_trust, alternatives=a.alternatives)
     check_output(a.json_out, "bench report (--json-out)")
     if a.json_out:
         check_output(a.plot_out or str(Path(a.json_out).with_suffix(".png")), "bench plot (--plot-out)")
@@ -153,8 +99,7 @@ def cmd_bench_decode(a: argparse.Namespace) -> int:
         for m in a.modes.split(","):
             drafters[m] = a.drafter
     return run_bench(a.target, drafters, [m for m in a.modes.split(",") if m], a.dataset.split(","), a.num_prompts,
-                     a.max_new_tokens, a.chat, a.block_size, a.json_out, a.plot_out, a.verify_threshold, a.first_prompt,
-                     a.hint_trust, a.alternatives)
+                     a.chat, options, a.json_out, a.plot_out, a.first_prompt)
 
 
 def cmd_bench_round(a: argparse.Namespace) -> int:
@@ -527,9 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_flags(t)
     t.set_defaults(func=cmd_train)
 
-    from .export.cli import register
-
-    register(sub)
+    register_export(sub)
     return ap
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import PROMPTS_TEXT, chat_ids
-from dflow_trt.backends.loading import load_backends
+from dflow_trt.loading import load_backends
 from dflow_trt.decoding.loop import generate
 from dflow_trt.decoding.options import DecodeOptions
 from dflow_trt.export.build import Build, BuildSpec

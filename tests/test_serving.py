@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from dflow_trt.backends.loading import load_backends
+from dflow_trt.loading import load_backends
 from dflow_trt.decoding.flow import HINT_TRUST
 from dflow_trt.decoding.loop import generate
 from dflow_trt.decoding.options import DecodeOptions
@@ -55,12 +55,12 @@ def tiny_reference():
     cache = {}
 
     def ref(prompt, mode, max_tokens, block_size):
-        key = (mode, block_size)
-        if key not in cache:
-            cache[key] = load_backends("tiny-qwen3", None, mode, "torch", None, block_size, log=lambda m: None)
-        target, drafter = cache[key]
+        if mode not in cache:
+            cache[mode] = load_backends("tiny-qwen3", None, mode, "torch", None, log=lambda m: None)
+        target, drafter = cache[mode]
         ids = encode_prompt(target.tokenizer, prompt, False)
-        return generate(target, drafter, [ids], DecodeOptions(mode=mode, max_new_tokens=max_tokens)).token_ids[0]
+        options = DecodeOptions(mode=mode, max_new_tokens=max_tokens, block_size=block_size if mode != "ar" else None)
+        return generate(target, drafter, [ids], options).token_ids[0]
 
     return ref
 
@@ -91,9 +91,10 @@ def test_verify_threshold_over_triton_keeps_the_tokens(tiny_server, tiny_referen
 def test_hint_trust_over_triton_reaches_the_loop(tiny_server, model):
     """The request's hint_trust reaches the decoding loop: the server reports the hints a local
     decode at the same trust takes (none at 0, more at 1 than at the default), with its tokens."""
-    target, drafter = load_backends("tiny-qwen3", None, "dflow", "torch", None, 8, log=lambda m: None)
+    target, drafter = load_backends("tiny-qwen3", None, "dflow", "torch", None, log=lambda m: None)
     ids = encode_prompt(target.tokenizer, PROMPTS[4], False)
-    local = {t: generate(target, drafter, [ids], DecodeOptions(mode="dflow", max_new_tokens=40, hint_trust=t)) for t in (0.0, HINT_TRUST, 1.0)}
+    local = {t: generate(target, drafter, [ids], DecodeOptions(mode="dflow", max_new_tokens=40, block_size=8, hint_trust=t))
+             for t in (0.0, HINT_TRUST, 1.0)}
     assert local[0.0].hints_taken == 0 < local[HINT_TRUST].hints_taken < local[1.0].hints_taken
     for trust, res in local.items():
         got = generate_grpc(tiny_server.grpc_url, model, prompt=PROMPTS[4], mode="dflow", max_tokens=40, block_size=8,
@@ -108,10 +109,11 @@ def test_alternatives_over_triton_reach_the_loop(tiny_server, model):
     """The request's alternatives reach the loop on both layouts (BLS: the drafter model returns the
     runner-ups, the target model verifies the tree in its KV session and commits the kept branch):
     tokens, rounds, verified drafts (runner-ups included) and runner-ups taken equal a local decode's."""
-    target, drafter = load_backends("tiny-qwen3", None, "dflash", "torch", None, 4, log=lambda m: None)
+    target, drafter = load_backends("tiny-qwen3", None, "dflash", "torch", None, log=lambda m: None)
     for prompt in PROMPTS[1:4]:
         ids = encode_prompt(target.tokenizer, prompt, False)
-        local = generate(target, drafter, [ids], DecodeOptions(mode="dflash", max_new_tokens=24, alternatives=5))
+        local = generate(target, drafter, [ids], DecodeOptions(mode="dflash", max_new_tokens=24, block_size=4,
+                                                               alternatives=5))
         assert local.verified_drafts == (3 + 5) * local.rounds  # every round sends 3 drafts + 5 runner-ups
         got = generate_grpc(tiny_server.grpc_url, model, prompt=prompt, mode="dflash", max_tokens=24, block_size=4,
                             alternatives=5)
@@ -139,7 +141,7 @@ def test_bls_tree_verify_equals_a_local_one(tiny_server):
 
     rt = RemoteTarget(remote, session_key=tiny_server.session_key)
     assert rt.supports_tree
-    local, _ = load_backends("tiny-qwen3", None, "ar", "torch", None, None, log=lambda m: None)
+    local, _ = load_backends("tiny-qwen3", None, "ar", "torch", None, log=lambda m: None)
     import torch
 
     ids = torch.tensor([encode_prompt(local.tokenizer, PROMPTS[2], False)])

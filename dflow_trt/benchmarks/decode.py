@@ -7,6 +7,8 @@ machine's speed cancels out of the speedups; each mode's tokens are checked agai
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,14 +18,14 @@ from tqdm import tqdm
 from ..atomic import atomic_file
 from ..decoding.flow import HINT_TRUST
 from ..decoding.loop import generate
+from ..decoding.options import MODES, DecodeOptions
 from ..drafter.defaults import load_target_and_drafter
-from ..drafter.runtime import TorchDrafter
 from ..errors import UserError
 from ..evalsets import load_prompts
+from ..loading import load_modes
 from ..prompting import encode_prompts
 from .report import console as wide_console, standard_error, write_json
 
-MODES = ("ar", "dflash", "dflow")
 
 
 @dataclass
@@ -66,28 +68,24 @@ class ModeRun:
 
 
 def run_modes(target_name: str, drafters: dict[str, str | None], modes: list[str], prompts: list[list[int]],
-              max_new_tokens: int, block_size: int | None, stop_token_ids=None, warn=print, target=None,
-              verify_threshold: float = 0.0, hint_trust: float = HINT_TRUST, desc: str = "",
-              alternatives: int = 0) -> dict[str, ModeRun]:
+              options: DecodeOptions, warn=print, target=None, desc: str = "") -> dict[str, ModeRun]:
     """Decode every prompt in every mode, interleaved: prompt by prompt, each mode in turn (the
     order rotating per prompt), so a machine that speeds up or slows down while the bench runs
-    moves every mode's tokens/s alike and the speedups stay comparable."""
+    moves every mode's tokens/s alike and the speedups stay comparable. `options` for every mode
+    (its own `mode` replaced)."""
     modes = list(dict.fromkeys(modes))  # a mode named twice runs once
-    loaded, runs = {}, {}
+    loaded, runs = load_modes(target_name, "torch", drafters, tuple(modes), target=target, log=warn), {}
     for m in modes:
-        t, model = load_target_and_drafter(target_name, drafters.get(m), m, warn=warn, target=target)
-        drafter = TorchDrafter(model, block_size) if model is not None else None
+        drafter = loaded[m].drafter
         if m == "dflow" and not drafter.uses_flow:  # refused before any prompt is decoded
             raise UserError(f"the dflow drafter {drafters.get(m)} was built without flow conditioning; "
                             f"pass a DFlow drafter (--dflow-drafter) or drop dflow from --modes")
-        loaded[m] = (t, drafter)
-        name = "-" if model is None else model.config.extra.get("name", Path(drafters.get(m) or "untrained").name)
-        runs[m] = ModeRun([], [], 0.0, name, drafter.block_size if drafter else 1)
+        name = "-" if drafter is None else drafter.config.extra.get("name", Path(drafters.get(m) or "untrained").name)
+        runs[m] = ModeRun([], [], 0.0, name, (options.block_size or drafter.block_size) if drafter else 1)
     for i, p in enumerate(tqdm(prompts, desc=desc or ",".join(modes), leave=False)):
         for m in modes[i % len(modes):] + modes[:i % len(modes)]:
-            t, drafter = loaded[m]
-            r = generate(t, drafter, [p], m, max_new_tokens, stop_token_ids=stop_token_ids,
-                         verify_threshold=verify_threshold, hint_trust=hint_trust, alternatives=alternatives)
+            t, drafter = loaded[m].target, loaded[m].drafter
+            r = generate(t, drafter, [p], dataclasses.replace(options, mode=m))
             run = runs[m]
             run.tokens.append(r.token_ids[0])
             run.acceptance += r.acceptance_lengths[0]
@@ -179,17 +177,12 @@ def _plot(report: dict, path: Path) -> None:
 
 
 def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], datasets: list[str], num_prompts: int,
-              max_new_tokens: int, chat: bool, block_size: int | None, json_out: str | None,
-              plot_out: str | None = None, verify_threshold: float = 0.0, first_prompt: int = 0,
-              hint_trust: float = HINT_TRUST, alternatives: int = 0) -> int:
+              chat: bool, options: DecodeOptions, json_out: str | None, plot_out: str | None = None,
+              first_prompt: int = 0) -> int:
     console = wide_console()
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise UserError(f"unknown mode(s) {bad}; use a comma list of {','.join(MODES)}")
-    if num_prompts < 1 or max_new_tokens < 1:
-        raise UserError("--num-prompts and --max-new-tokens must be >= 1")
-    if first_prompt < 0:
-        raise UserError(f"--first-prompt must be >= 0, got {first_prompt}")
     if "ar" not in modes:
         modes = ["ar", *modes]  # speedup and the lossless check are both measured against ar
     texts = {}  # every data set's prompts, read and checked before the target loads
@@ -199,16 +192,16 @@ def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], da
         if not texts[ds]:
             raise UserError(f"{ds} has {len(every)} prompts; --first-prompt {first_prompt} leaves none to bench")
     loaded, _ = load_target_and_drafter(target, None, "ar")
+    max_new_tokens, verify_threshold = options.max_new_tokens, options.verify_threshold
+    hint_trust, alternatives = options.hint_trust, options.alternatives
     ids = {ds: encode_prompts(loaded, t, chat, max_new_tokens,
                               [f"prompt {first_prompt + i + 1} of {ds}" for i in range(len(t))])
            for ds, t in texts.items()}  # every prompt fits the context before the first is decoded
     per_dataset: dict[str, dict[str, ModeRun]] = {}
     for ds in datasets:
         name = Path(ds).stem if ds.endswith(".jsonl") else ds
-        per_dataset[name] = run_modes(target, drafters, modes, ids[ds], max_new_tokens, block_size,
-                                      warn=lambda s: console.print(f"[yellow]{s}"), target=loaded,
-                                      verify_threshold=verify_threshold, hint_trust=hint_trust, desc=name,
-                                      alternatives=alternatives)
+        per_dataset[name] = run_modes(target, drafters, modes, ids[ds], options,
+                                      warn=lambda s: console.print(f"[yellow]{s}"), target=loaded, desc=name)
     merged = _merge(per_dataset)
     report = {"target": target, "first_prompt": first_prompt, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "chat": chat,
               "decoding": "greedy", "verify_threshold": verify_threshold, "hint_trust": hint_trust,

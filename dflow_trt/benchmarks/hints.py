@@ -19,6 +19,7 @@ from tqdm import tqdm
 from ..decoding.flow import HINT_TRUST, take_hints
 from ..decoding.interfaces import Proposal
 from ..decoding.loop import generate
+from ..decoding.options import DecodeOptions
 from ..drafter.defaults import load_target_and_drafter
 from ..drafter.runtime import TorchDrafter
 from ..errors import UserError
@@ -36,8 +37,8 @@ class Recorder:
     def __init__(self, inner: TorchDrafter):
         self.inner, self.block_size, self.uses_flow, self.rounds = inner, inner.block_size, inner.uses_flow, []
 
-    def new_state(self, batch_size, generator=None):
-        return self.inner.new_state(batch_size, generator)
+    def new_state(self, batch_size, generator=None, block_size=None):
+        return self.inner.new_state(batch_size, generator, block_size)
 
     def draft(self, state, context_taps, context_lens, anchor_ids, anchor_pos, flow, sampler, verify_threshold=0.0):
         prop = self.inner.draft(state, context_taps, context_lens, anchor_ids, anchor_pos, flow, sampler,
@@ -81,7 +82,8 @@ def run(target: str = "smollm2-135m", drafter: str | None = None, dataset: str =
     with torch.no_grad():
         for ids in tqdm(prompts, desc="decode", leave=False):
             rec.rounds.clear()
-            out = generate(t, rec, [ids], "dflow", max_new_tokens, hint_trust=0.0).token_ids[0]
+            out = generate(t, rec, [ids], DecodeOptions(mode="dflow", max_new_tokens=max_new_tokens,
+                                                        hint_trust=0.0)).token_ids[0]
             for pos, prop, flow in rec.rounds:
                 # truth[k]: the target's token at block position k (None past the end of the output)
                 truth = [out[pos + k - len(ids)] if pos + k - len(ids) < len(out) else None

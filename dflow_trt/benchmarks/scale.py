@@ -121,14 +121,16 @@ def bench_generate(target, drafter, P: int, new_tokens: int, sync) -> dict:
 
     from ..decoding.loop import generate
 
+    from ..decoding.options import DecodeOptions
+
     sync = sync or (lambda: None)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, target.info.vocab_size, (P,), generator=g).tolist()
     res = {}
     for mode in ("ar", "dflow"):
-        generate(target, drafter, [prompt], mode=mode, max_new_tokens=8)  # warm-up
+        generate(target, drafter, [prompt], DecodeOptions(mode=mode, max_new_tokens=8))  # warm-up
         sync()
-        r = generate(target, drafter, [prompt], mode=mode, max_new_tokens=new_tokens)
+        r = generate(target, drafter, [prompt], DecodeOptions(mode=mode, max_new_tokens=new_tokens))
         sync()
         res[mode] = {"rounds": r.rounds, "tokens": len(r.token_ids[0]), "tau": r.tau,
                      "ms_per_round": (r.total_s - r.prefill_s) / max(1, r.rounds) * 1e3,

@@ -16,6 +16,8 @@ def run(target: str = "smollm2-135m", drafter: str | None = None, prompts: int =
     import torch
 
     from ..decoding.loop import generate
+
+    from ..decoding.options import DecodeOptions
     from ..drafter.defaults import load_target_and_drafter
     from ..export.fp8_check import heldout_prompts
     from ..training.objective import Batch, drafter_blocks, sample_anchors, target_states
@@ -30,7 +32,8 @@ def run(target: str = "smollm2-135m", drafter: str | None = None, prompts: int =
             con.print(f"wrote {report.write_json(json_out, out)}")
         return 0
     ps = heldout_prompts(t, prompts)
-    seqs = [p + r for p, r in zip(ps, generate(t, None, ps, "ar", tokens, stop_token_ids=()).token_ids)]
+    options = DecodeOptions(mode="ar", max_new_tokens=tokens, stop_token_ids=())
+    seqs = [p + r for p, r in zip(ps, generate(t, None, ps, options).token_ids)]
     ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, :len(s)] = torch.tensor(s)

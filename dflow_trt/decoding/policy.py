@@ -101,7 +101,7 @@ class Selective:
         if flow is not None and self.hint_trust > 0:
             taken = take_hints(prop, flow, self.hint_trust)
             hinted, prop = taken.draft_ids != prop.draft_ids, taken  # [B, K]
-        dev, B, K = anchor.device, *prop.draft_ids.shape
+        dev, K = anchor.device, prop.draft_ids.shape[1]
         n = na = None
         if self.verify_threshold > 0 and prop.confidence is not None:
             n = verify_lengths(prop.confidence, self.verify_threshold).to(dev)  # [B]

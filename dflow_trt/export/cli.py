@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cli import COUNT, check_output
+from ..flags import COUNT, check_output
 
 
 def add_build_args(p: argparse.ArgumentParser) -> None:

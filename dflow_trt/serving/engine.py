@@ -19,6 +19,8 @@ import torch
 
 from ..decoding.loop import RoundEvent, generate
 from ..decoding.options import DecodeOptions
+from ..loading import load_modes, open_build
+from ..targets import load_tokenizer
 from ..decoding.sampling import SamplingParams
 from ..errors import UserError
 from .lifecycle import session_key, stopping
@@ -92,23 +94,6 @@ class _Active:
     started: float = field(default_factory=time.perf_counter)
 
 
-def load_tokenizer(target_spec: str):
-    """The target's tokenizer alone (for BLS orchestration, where the weights live elsewhere)."""
-    from transformers import AutoTokenizer
-
-    if target_spec == "smollm2-135m":
-        from ..targets.smollm2 import ensure_checkpoint
-
-        return AutoTokenizer.from_pretrained(ensure_checkpoint(None))
-    if target_spec in ("tiny-qwen3", "tiny-llama"):
-        from ..targets.tiny import byte_tokenizer
-
-        return byte_tokenizer()
-    if Path(target_spec, "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(target_spec)
-    raise UserError(f"no tokenizer for target {target_spec!r}")
-
-
 class DecodingEngine:
     def __init__(self, cfg: ServeConfig, log: Callable[[str], None] = print,
                  remote: Callable[[str, dict, list[str]], dict] | None = None):
@@ -148,53 +133,21 @@ class DecodingEngine:
         cfg = self.cfg
         if cfg.backend == "tensorrt_llm":
             return self._load_tensorrt_llm()
-        if cfg.backend == "onnxruntime":
-            return self._load_onnxruntime()
-        from ..drafter.defaults import load_target_and_drafter
-        from ..drafter.runtime import TorchDrafter
-
-        base, _ = load_target_and_drafter(cfg.target, None, "ar", warn=self.log)
-        modes: dict[str, _Loaded] = {"ar": _Loaded(base, None)}
-        for mode in ("dflash", "dflow"):
-            target, model = load_target_and_drafter(cfg.target, self._drafter_arg(mode), mode, warn=self.log,
-                                                    target=base)
-            modes[mode] = _Loaded(target, TorchDrafter(model))
-        return modes, base.tokenizer
-
-    def _build(self) -> tuple[Path, dict]:
-        """The build folder of parameter build_dir and its manifest, checked against parameter target."""
-        from ..export.manifest import read_manifest
-
-        if not self.cfg.build_dir:
-            raise UserError(f"backend={self.cfg.backend} needs parameter build_dir (a folder written by "
+        if cfg.backend == "onnxruntime" and not cfg.build_dir:
+            raise UserError("backend=onnxruntime needs parameter build_dir (a folder written by "
                             "`python scripts/build_engines.py`)")
-        bdir = Path(self.cfg.build_dir)
-        man = read_manifest(bdir)
-        if man["target"]["name"] != self.cfg.target:
-            raise UserError(f"build_dir {bdir} was built for target {man['target']['name']!r}, the model is "
-                            f"configured for {self.cfg.target!r}; fix parameter target or rebuild")
-        return bdir, man
-
-    def _load_onnxruntime(self):
-        from ..backends.onnxruntime import OrtDrafter, OrtTarget
-
-        bdir, _ = self._build()
-        tokenizer = load_tokenizer(self.cfg.target)
-        target = OrtTarget(bdir / "onnx" / "target", tokenizer=tokenizer)
-        modes: dict[str, _Loaded] = {"ar": _Loaded(target, None)}
-        for mode in ("dflash", "dflow"):
-            folder = bdir / "onnx" / f"drafter-{mode}"
-            if not folder.is_dir():
-                self.log(f"warning: build_dir has no {mode} drafter ({folder}); mode {mode} is not served")
-                continue
-            OrtDrafter(folder).check_target(target.info)
-            modes[mode] = _Loaded(target, OrtDrafter(folder))
-        return modes, tokenizer
+        loaded = load_modes(cfg.target, cfg.backend, {m: self._drafter_arg(m) for m in ("dflash", "dflow")},
+                            build_dir=cfg.build_dir, log=self.log)
+        modes = {m: _Loaded(x.target, x.drafter) for m, x in loaded.items()}
+        return modes, modes["ar"].target.tokenizer
 
     def _load_tensorrt_llm(self):
         from ..backends.tensorrt_llm import llm_api_options, load_llm, served_modes
 
-        bdir, man = self._build()
+        if not self.cfg.build_dir:
+            raise UserError("backend=tensorrt_llm needs parameter build_dir (a folder written by "
+                            "`python scripts/build_engines.py`)")
+        bdir, man = open_build(self.cfg.build_dir, self.cfg.target)
         opts = llm_api_options(bdir)
         llm = load_llm(opts)
         block = opts.get("speculative_config", {}).get("max_draft_len", 0) + 1

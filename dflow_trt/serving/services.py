@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import UserError
+from ..loading import load_modes
 from .lifecycle import session_key
 from .sessions import DrafterService, ServiceLimits, TargetService
 
@@ -59,32 +60,23 @@ def load_target_service(params: dict[str, str], repo: Path, log: Callable[[str],
     """The target, tapping the layers its drafter reads (`drafter`, default: the shipped DFlow one)."""
     _check(params, TARGET_PARAMS, "target")
     spec, backend = params.get("target", "smollm2-135m"), params.get("backend", "torch")
-    if backend == "onnxruntime":
-        from ..backends.onnxruntime import OrtTarget
-        from ..export.manifest import read_manifest
-
-        bdir = resolve_path(params.get("build_dir", ""), repo)
-        if not bdir:
-            raise UserError("target: backend=onnxruntime needs parameter build_dir (scripts/build_engines.py output)")
-        if read_manifest(bdir)["target"]["name"] != spec:
-            raise UserError(f"target: build_dir {bdir} was not built for target {spec!r}; fix `target` or rebuild")
-        return _target_service(OrtTarget(Path(bdir) / "onnx" / "target"), params, log)
-    if backend != "torch":
+    if backend not in ("torch", "onnxruntime"):
         raise UserError(f"target: backend={backend!r}; use torch or onnxruntime (tensorrt_llm: GPU hosts, see README)")
-    from ..drafter.defaults import load_target_and_drafter
-
-    target, _ = load_target_and_drafter(spec, resolve_path(params.get("drafter", ""), repo), "dflow", warn=log)
+    bdir = resolve_path(params.get("build_dir", ""), repo)
+    if backend == "onnxruntime" and not bdir:
+        raise UserError("target: backend=onnxruntime needs parameter build_dir (scripts/build_engines.py output)")
+    # the target taps what the dflow drafter reads (an ONNX target: what it was exported with)
+    mode = "dflow" if backend == "torch" else "ar"
+    target = load_modes(spec, backend, {"dflow": resolve_path(params.get("drafter", ""), repo)}, (mode,), bdir,
+                        log=log)[mode].target
     log(f"target model ready: {spec} taps {list(target.info.tap_layers)}")
     return _target_service(target, params, log)
 
 
 def load_drafter_service(params: dict[str, str], repo: Path, log: Callable[[str], None] = print) -> DrafterService:
     _check(params, DRAFTER_PARAMS, "drafter")
-    from ..drafter.defaults import load_target_and_drafter
-
-    spec, models, base = params.get("target", "smollm2-135m"), {}, None
-    for mode in ("dflash", "dflow"):
-        base, models[mode] = load_target_and_drafter(spec, resolve_path(params.get(f"{mode}_drafter", ""), repo), mode,
-                                                     warn=log, target=base)
-    log(f"drafter model ready: {spec} modes {sorted(models)}")
-    return DrafterService(models, _limits(params, "drafter"))
+    spec, modes = params.get("target", "smollm2-135m"), ("dflash", "dflow")
+    loaded = load_modes(spec, "torch", {m: resolve_path(params.get(f"{m}_drafter", ""), repo) for m in modes}, modes,
+                        log=log)
+    log(f"drafter model ready: {spec} modes {list(modes)}")
+    return DrafterService({m: loaded[m].drafter for m in modes}, _limits(params, "drafter"))

@@ -280,11 +280,9 @@ class TargetService(_Bounded):
 class DrafterService(_Bounded):
     """What the `drafter` model computes: one block of drafts from the full context, per mode."""
 
-    def __init__(self, drafters: dict, limits: ServiceLimits | None = None):  # mode -> DFlowDrafter
-        from ..drafter.runtime import TorchDrafter
-
-        self.models = drafters
-        self.drafters = {m: TorchDrafter(d) for m, d in drafters.items()}
+    def __init__(self, drafters: dict, limits: ServiceLimits | None = None):  # mode -> TorchDrafter
+        self.drafters = drafters
+        self.models = {m: d.model for m, d in drafters.items()}
         self.limits = limits or ServiceLimits()
 
     def info_json(self) -> bytes:

@@ -100,3 +100,20 @@ def load_target(spec: str, tap_layers: tuple[int, ...] | None = None, num_taps: 
 
 def preset(name: str) -> TargetPreset | None:
     return PRESETS.get(name)
+
+
+def load_tokenizer(target_spec: str):
+    """The target's tokenizer alone (for BLS orchestration, where the weights live elsewhere)."""
+    from transformers import AutoTokenizer
+
+    if target_spec == "smollm2-135m":
+        from .smollm2 import ensure_checkpoint
+
+        return AutoTokenizer.from_pretrained(ensure_checkpoint(None))
+    if target_spec in ("tiny-qwen3", "tiny-llama"):
+        from .tiny import byte_tokenizer
+
+        return byte_tokenizer()
+    if Path(target_spec, "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(target_spec)
+    raise UserError(f"no tokenizer for target {target_spec!r}")
