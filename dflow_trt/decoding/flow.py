@@ -42,7 +42,7 @@ def right_align(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
 
 # How often a consistent hint (below) names the target's token: 52% on held-out prompts of the
 # training sources with the shipped DFlow drafter, where replaying decodes put the best trust at
-# 0.4-0.5 (scripts/hint_stats.py, docs/hint_stats.json; never the eval sets). Also the confidence a
+# 0.4-0.5 (`dflow-trt bench hints`, docs/hint_stats.json; never the eval sets). Also the confidence a
 # taken hint reports to the verify-length policy.
 HINT_TRUST = 0.5
 

@@ -33,15 +33,15 @@ class DecodeOptions:
         if self.mode not in MODES:
             raise UserError(f"unknown mode {self.mode!r}; use one of {', '.join(MODES)}")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise UserError(f"max new tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+            raise UserError(f"max_new_tokens must be >= 1 (an integer), got {self.max_new_tokens!r}")
         if self.block_size is not None and (not _is_int(self.block_size) or self.block_size < 2):
-            raise UserError(f"block size must be at least 2 (anchor + one draft), got {self.block_size!r}")
+            raise UserError(f"block_size must be at least 2 (anchor + one draft), got {self.block_size!r}")
         if not _is_num(self.verify_threshold) or not 0.0 <= self.verify_threshold < 1.0:
-            raise UserError(f"verify threshold must be in [0, 1), got {self.verify_threshold!r}")
+            raise UserError(f"verify_threshold must be in [0, 1), got {self.verify_threshold!r}")
         if not _is_num(self.hint_trust) or not 0.0 <= self.hint_trust <= 1.0:
-            raise UserError(f"hint trust must be in [0, 1], got {self.hint_trust!r}")
+            raise UserError(f"hint_trust must be in [0, 1], got {self.hint_trust!r}")
         if not _is_int(self.alternatives) or not 0 <= self.alternatives <= MAX_ALTERNATIVES:
-            raise UserError(f"alternatives must be an integer in [0, {MAX_ALTERNATIVES}], got {self.alternatives!r}")
+            raise UserError(f"alternatives must be in [0, {MAX_ALTERNATIVES}] (an integer), got {self.alternatives!r}")
         if self.alternatives and not self.sampling.greedy:
             raise UserError("first-draft alternatives are verified for greedy decoding only (temperature 0); "
                             "set alternatives to 0 or decode greedily")

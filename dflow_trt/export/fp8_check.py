@@ -7,7 +7,7 @@ Metrics (prompts: MT-Bench and HumanEval, never used for calibration):
   (as a fraction of `max_new_tokens` in `greedy_match_frac`);
 - `tau[mode][pair]`: mean acceptance length for pairs full/full, fp8/fp8 and fp8 target with the
   full-precision drafter, and `tau_ratio` = worst FP8 pair / full pair.
-Thresholds come from measurement on smollm2-135m (see the README); a failed one fails the check.
+Thresholds come from measurement on smollm2-135m (docs/export.md); a failed one fails the check.
 """
 
 from __future__ import annotations

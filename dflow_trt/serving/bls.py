@@ -1,7 +1,7 @@
 """BLS orchestration: the decoding loop's Target and Drafter interfaces over the `target` and
 `drafter` Triton models, and the stateless services those two models run.
 
-Layout (see README, "Serving"): the `drafter` model is stateless and the `target` model keeps
+Layout (docs/serving.md): the `drafter` model is stateless and the `target` model keeps
 only KV caches, in sessions keyed by an id the decoding model picks (`op` = prefill / verify /
 commit / release), so a verify costs the block, not the context. Everything else of a request
 (committed tokens, context features, flow) stays in the decoding model: `RemoteTarget` keeps each

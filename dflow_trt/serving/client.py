@@ -16,6 +16,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import UserError
+from .requests import request_array
 
 
 @dataclass
@@ -38,26 +39,12 @@ def request_arrays(prompt: str | None = None, input_ids: list[int] | None = None
                    seed: int | None = None, stop_words: list[str] | None = None, block_size: int | None = None,
                    chat: bool = False, verify_threshold: float = 0.0,
                    hint_trust: float | None = None, alternatives: int = 0) -> dict[str, np.ndarray]:
-    x = {"max_tokens": np.array([max_tokens], np.int32), "mode": np.array([mode.encode()], dtype=object),
-         "temperature": np.array([temperature], np.float32), "top_p": np.array([top_p], np.float32),
-         "top_k": np.array([top_k], np.int32), "chat": np.array([chat], bool)}
-    if prompt is not None:
-        x["text_input"] = np.array([prompt.encode()], dtype=object)
-    if input_ids is not None:
-        x["input_ids"] = np.asarray(input_ids, np.int32)
-    if seed is not None:
-        x["seed"] = np.array([seed], np.int64)
-    if stop_words:
-        x["stop_words"] = np.array([w.encode() for w in stop_words], dtype=object)
-    if block_size:
-        x["block_size"] = np.array([block_size], np.int32)
-    if verify_threshold:
-        x["verify_threshold"] = np.array([verify_threshold], np.float32)
-    if hint_trust is not None:  # else the server's default
-        x["hint_trust"] = np.array([hint_trust], np.float32)
-    if alternatives:  # sent only when asked for, so older model repositories still serve
-        x["alternatives"] = np.array([alternatives], np.int32)
-    return x
+    sent = {"max_tokens": max_tokens, "mode": mode, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+            "chat": chat, "text_input": prompt, "input_ids": input_ids, "seed": seed,
+            # sent only when given, so the server's defaults apply and older repositories still serve
+            "stop_words": stop_words or None, "block_size": block_size or None,
+            "verify_threshold": verify_threshold or None, "hint_trust": hint_trust, "alternatives": alternatives or None}
+    return {k: request_array(k, v) for k, v in sent.items() if v is not None}
 
 
 def _dtype(a: np.ndarray) -> str:
@@ -166,7 +153,7 @@ def generate_http(url: str, model: str = "dflow", on_tokens=None, timeout_s: flo
     """Stream one request over HTTP (generate_stream); raise UserError with the server's message.
 
     Leaving early closes the connection, but Triton 2.51's HTTP front end does not cancel on a
-    closed connection: the request runs to its max_tokens (gRPC cancels; README, "Serving")."""
+    closed connection: the request runs to its max_tokens (gRPC cancels; docs/serving.md)."""
     import urllib.error
     import urllib.request
 

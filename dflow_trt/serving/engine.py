@@ -18,10 +18,8 @@ from typing import Any, Callable
 import torch
 
 from ..decoding.loop import RoundEvent, generate
-from ..decoding.options import DecodeOptions
 from ..loading import load_modes, open_build
 from ..targets import load_tokenizer
-from ..decoding.sampling import SamplingParams
 from ..errors import UserError
 from .lifecycle import session_key, stopping
 from .requests import Busy, DecodeRequest, Limits, RequestError
@@ -227,10 +225,7 @@ class DecodingEngine:
             raise RequestError(f"mode {req.mode!r} is not served by this model (served: {', '.join(self.modes)})")
         loaded = self.modes[req.mode]
         prompt_ids = self._prompt_ids(req)
-        sampling = SamplingParams(req.temperature, req.top_p, req.top_k, req.seed)
-        options = DecodeOptions(mode=req.mode, max_new_tokens=req.max_tokens, sampling=sampling,
-                                block_size=req.block_size, verify_threshold=req.verify_threshold,
-                                hint_trust=req.hint_trust, alternatives=req.alternatives)
+        options = req.options()
         drafter = loaded.drafter
         if loaded.llm is not None and req.block_size and req.mode != "ar" and req.block_size != loaded.block_size:
             raise RequestError(f"this model drafts blocks of {loaded.block_size} (TensorRT-LLM fixes the block "
@@ -272,7 +267,7 @@ class DecodingEngine:
                 if loaded.llm is not None:
                     from ..backends.tensorrt_llm import generate_llmapi
 
-                    res = generate_llmapi(loaded.llm, prompt_ids, req.max_tokens, sampling, on_round=on_round)
+                    res = generate_llmapi(loaded.llm, prompt_ids, req.max_tokens, options.sampling, on_round=on_round)
                 else:
                     res = generate(loaded.target, drafter, [prompt_ids], options, on_round=on_round)
             finally:

@@ -10,24 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..atomic import atomic_dir
+from .requests import REQUEST
 
 MODELS = ("dflow", "dflow_bls", "target", "drafter")
 
-_DFLOW_IO = """input [
-  { name: "text_input", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
-  { name: "input_ids", data_type: TYPE_INT32, dims: [ -1 ], optional: true },
-  { name: "max_tokens", data_type: TYPE_INT32, dims: [ 1 ] },
-  { name: "mode", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
-  { name: "temperature", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
-  { name: "top_p", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
-  { name: "top_k", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
-  { name: "seed", data_type: TYPE_INT64, dims: [ 1 ], optional: true },
-  { name: "stop_words", data_type: TYPE_STRING, dims: [ -1 ], optional: true },
-  { name: "block_size", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
-  { name: "chat", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
-  { name: "verify_threshold", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
-  { name: "hint_trust", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
-  { name: "alternatives", data_type: TYPE_INT32, dims: [ 1 ], optional: true }
+_TRITON_TYPES = {"object": "TYPE_STRING", "int32": "TYPE_INT32", "int64": "TYPE_INT64", "float32": "TYPE_FP32",
+                 "bool": "TYPE_BOOL"}
+_DFLOW_IO = "input [\n" + ",\n".join(
+    f'  {{ name: "{i.name}", data_type: {_TRITON_TYPES[i.dtype]}, dims: [ {", ".join(map(str, i.dims))} ]'
+    + ("" if i.required else ", optional: true") + " }" for i in REQUEST) + """
 ]
 output [
   { name: "token_ids", data_type: TYPE_INT32, dims: [ -1 ] },
@@ -103,7 +94,7 @@ _ENTRY = {"dflow": "DFlowModel", "dflow_bls": "DFlowModel", "target": "TargetMod
 
 def config_text(model: str, params: dict[str, str]) -> str:
     ps = "\n".join(f'parameters: {{ key: "{k}", value: {{ string_value: "{v}" }} }}' for k, v in params.items())
-    return (f"# {_ABOUT[model]}\n# written by dflow_trt.serving.repository; parameters documented in README.md\n"
+    return (f"# {_ABOUT[model]}\n# written by dflow_trt.serving.repository; parameters documented in docs/serving.md\n"
             f'name: "{model}"\nbackend: "python"\nmax_batch_size: 0\n{_IO[model]}\n'
             f"instance_group [ {{ kind: KIND_CPU, count: 1 }} ]\n{ps}\n")
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..decoding.flow import HINT_TRUST
-from ..decoding.interfaces import MAX_ALTERNATIVES
-from ..decoding.options import MODES
+from ..decoding.options import DecodeOptions
+from ..decoding.sampling import SamplingParams
 from ..errors import UserError
 
 
@@ -29,6 +29,36 @@ BUSY_WORDS = "are busy"
 
 
 MAX_BLOCK = 64  # drafts + anchor per round
+
+
+@dataclass(frozen=True)
+class Input:
+    """One input of the decoding model, as Triton declares it and the client sends it."""
+
+    name: str
+    dtype: str  # numpy dtype name ("object": UTF-8 bytes)
+    dims: tuple[int, ...] = (1,)
+    required: bool = False
+
+
+# The request schema: the model config (repository.py), the Triton layer's input list
+# (triton_python.py) and the client's arrays (client.py) are all derived from it.
+REQUEST = (
+    Input("text_input", "object"), Input("input_ids", "int32", (-1,)), Input("max_tokens", "int32", required=True),
+    Input("mode", "object"), Input("temperature", "float32"), Input("top_p", "float32"), Input("top_k", "int32"),
+    Input("seed", "int64"), Input("stop_words", "object", (-1,)), Input("block_size", "int32"), Input("chat", "bool"),
+    Input("verify_threshold", "float32"), Input("hint_trust", "float32"), Input("alternatives", "int32"),
+)
+REQUEST_INPUTS = {i.name: i for i in REQUEST}
+
+
+def request_array(name: str, value) -> np.ndarray:
+    """A request value as the array its schema entry declares (strings as UTF-8 bytes)."""
+    i = REQUEST_INPUTS[name]
+    values = list(value) if i.dims == (-1,) else [value]
+    if i.dtype == "object":
+        return np.array([v.encode() if isinstance(v, str) else v for v in values], dtype=object)
+    return np.asarray(values, i.dtype)
 
 
 @dataclass(frozen=True)
@@ -66,6 +96,13 @@ class DecodeRequest:
     verify_threshold: float = 0.0  # verify only drafts the drafter is this sure of (0: the whole block)
     hint_trust: float = HINT_TRUST  # dflow: take the verifier's guess over drafts less sure than this (0: off)
     alternatives: int = 0  # greedy: also verify up to this many runner-ups for draft 1 (a token tree)
+
+    def options(self) -> DecodeOptions:
+        """What the loop is asked to do (validated there)."""
+        return DecodeOptions(mode=self.mode, max_new_tokens=self.max_tokens,
+                             sampling=SamplingParams(self.temperature, self.top_p, self.top_k, self.seed),
+                             block_size=self.block_size, verify_threshold=self.verify_threshold,
+                             hint_trust=self.hint_trust, alternatives=self.alternatives)
 
 
 def _scalar(inputs: dict[str, np.ndarray], name: str, kind, default=None):
@@ -124,22 +161,14 @@ def parse_request(inputs: dict[str, np.ndarray], limits: Limits = Limits()) -> D
     if not 1 <= max_tokens <= limits.max_tokens:
         raise RequestError(f"max_tokens must be in 1..{limits.max_tokens}, got {max_tokens}")
     mode = _scalar(inputs, "mode", str, "dflow")
-    if mode not in MODES:
-        raise RequestError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
     block = _scalar(inputs, "block_size", int, 0)
     if block != 0 and not 2 <= block <= MAX_BLOCK:
         raise RequestError(f"block_size must be in 2..{MAX_BLOCK} (anchor + drafts), or 0 for the drafter's own; "
                            f"got {block}")
     seed = _scalar(inputs, "seed", int, None)
     verify_threshold = _scalar(inputs, "verify_threshold", float, 0.0)
-    if not 0.0 <= verify_threshold < 1.0:
-        raise RequestError(f"verify_threshold must be in [0, 1), got {verify_threshold}")
     hint_trust = _scalar(inputs, "hint_trust", float, HINT_TRUST)
-    if not 0.0 <= hint_trust <= 1.0:
-        raise RequestError(f"hint_trust must be in [0, 1], got {hint_trust}")
     alternatives = _scalar(inputs, "alternatives", int, 0)
-    if not 0 <= alternatives <= MAX_ALTERNATIVES:
-        raise RequestError(f"alternatives must be in 0..{MAX_ALTERNATIVES}, got {alternatives}")
     stop = inputs.get("stop_words")
     stop_words = [s.decode("utf-8", "replace") if isinstance(s, (bytes, np.bytes_)) else str(s)
                   for s in (np.asarray(stop).reshape(-1) if stop is not None else [])]
@@ -149,10 +178,8 @@ def parse_request(inputs: dict[str, np.ndarray], limits: Limits = Limits()) -> D
                         seed=seed, stop_words=[s for s in stop_words if s], block_size=block or None,
                         chat=bool(_scalar(inputs, "chat", bool, False)), verify_threshold=verify_threshold,
                         hint_trust=hint_trust, alternatives=alternatives)
-    from ..decoding.sampling import SamplingParams
-
-    try:  # the CLI's own checks: finite, in range (a NaN or denormal temperature is refused here)
-        SamplingParams(req.temperature, req.top_p, req.top_k, req.seed)
+    try:  # the loop's own checks, the CLI's too: finite, in range (a NaN or denormal temperature is refused)
+        req.options()
     except UserError as e:
         raise RequestError(str(e)) from None
     return req

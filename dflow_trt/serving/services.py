@@ -61,7 +61,7 @@ def load_target_service(params: dict[str, str], repo: Path, log: Callable[[str],
     _check(params, TARGET_PARAMS, "target")
     spec, backend = params.get("target", "smollm2-135m"), params.get("backend", "torch")
     if backend not in ("torch", "onnxruntime"):
-        raise UserError(f"target: backend={backend!r}; use torch or onnxruntime (tensorrt_llm: GPU hosts, see README)")
+        raise UserError(f"target: backend={backend!r}; use torch or onnxruntime (tensorrt_llm: GPU hosts, see docs/serving.md)")
     bdir = resolve_path(params.get("build_dir", ""), repo)
     if backend == "onnxruntime" and not bdir:
         raise UserError("target: backend=onnxruntime needs parameter build_dir (scripts/build_engines.py output)")

@@ -20,11 +20,9 @@ import triton_python_backend_utils as pb_utils
 
 from ..errors import UserError
 from .lifecycle import stopping
-from .requests import BUSY_WORDS, Busy
+from .requests import BUSY_WORDS, REQUEST, Busy
 
-DFLOW_INPUTS = ("text_input", "input_ids", "max_tokens", "mode", "temperature", "top_p", "top_k", "seed",
-                "stop_words", "block_size", "chat", "verify_threshold", "hint_trust",
-                "alternatives")
+DFLOW_INPUTS = tuple(i.name for i in REQUEST)
 FINAL = 1  # TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 

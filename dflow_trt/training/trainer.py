@@ -47,7 +47,7 @@ class TrainConfig:
     anchors_per_seq: int = 16
     flow_anchors_per_seq: int = 0  # DFlow: blocks per sequence that get the self-conditioned round (0: all)
     block_size: int = 16
-    gamma: float = 7.0  # block position k's loss weight is exp(-(k-1)/gamma): DFlash's 7; 1.5 did better for weak drafters (README, stage 4)
+    gamma: float = 7.0  # block position k's loss weight is exp(-(k-1)/gamma): DFlash's 7; 1.5 did better for weak drafters (docs/history/2026-12-drafters.md, stage 4)
     num_layers: int = 1
     num_taps: int = 3
     draft_vocab_size: int | None = 8192
