@@ -305,7 +305,7 @@ def _add_bench(sub) -> None:
     r.add_argument("--repeats", type=COUNT, default=7)
     r.add_argument("--plain-linear", action="store_true",
                    help="PyTorch's default CPU linear layers and transformers' own attention instead of "
-                        "backends.torch_cpu (oneDNN-packed weights, grouped K/V), for comparison")
+                        "dflow_trt.kernels (oneDNN-packed weights, grouped K/V), for comparison")
     r.add_argument("--threads", type=THREADS, default=None)
     json_out(r, "docs/bench_round.json")
 

@@ -7,7 +7,7 @@ longest entry that names it or a package above it):
     0  errors
     1  atomic, flags, prompting, evalsets leaf helpers (`flags`: the CLI's shared argument checks)
     2  decoding                           the loop, its interfaces, acceptance and sampling
-    3  backends.torch_cpu                 the torch CPU kernels targets and drafters run on
+    3  kernels                            the torch CPU kernels targets and drafters run on
     4  targets
     5  drafter
     6  backends                           runtimes over exported graphs (`onnx_io`: the graphs' contract)
@@ -33,7 +33,7 @@ LAYERS = [
     ("errors",),
     ("atomic", "flags", "prompting", "evalsets"),
     ("decoding",),
-    ("backends.torch_cpu",),
+    ("kernels",),
     ("targets",),
     ("drafter",),
     ("backends",),

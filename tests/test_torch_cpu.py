@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import chat_prompts
-from dflow_trt.backends import torch_cpu
+from dflow_trt import kernels as torch_cpu
 from dflow_trt.decoding.loop import generate
 from dflow_trt.decoding.options import DecodeOptions
 from dflow_trt.drafter.defaults import load_target_and_drafter

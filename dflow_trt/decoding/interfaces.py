@@ -3,9 +3,11 @@
 Shapes: B = batch rows, S = block length (anchor + drafts), T = prompt length,
 V = target vocabulary, F = flattened tap features (num_taps * target hidden size).
 
-Back ends (PyTorch, ONNX Runtime, TensorRT-LLM) implement these; the loop never looks behind them.
-State lives in explicit objects (`TargetCache`, drafter state) so one loaded model serves many
-requests at once, each with its own state.
+Back ends implement these and the loop never looks behind them: PyTorch (`targets/hf_target.py`,
+`drafter/runtime.py`), ONNX Runtime (`backends/onnxruntime.py`), remote Triton models
+(`serving/bls.py`); TensorRT-LLM runs its own loop (`backends/tensorrt_llm.py`). `loading.py`
+picks them. State lives in explicit objects (a target cache, a drafter state) so one loaded
+model serves many requests at once, each with its own state.
 """
 
 from __future__ import annotations

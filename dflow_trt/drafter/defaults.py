@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..backends import torch_cpu
+from .. import kernels
 from ..errors import UserError
 from ..targets import SHIPPED_DRAFTERS, load_target, preset
 from ..targets.hf_target import HFTarget
@@ -45,7 +45,7 @@ def load_target_and_drafter(target_spec: str, drafter_path: str | None, mode: st
 
     For decoding: with `packed`, the linear layers of a target loaded here and of the drafter run
     on oneDNN-packed weights on a CPU, and the target's attention skips a K/V copy
-    (`backends.torch_cpu`). `target`, when given, is an already
+    (`kernels.py`). `target`, when given, is an already
     loaded `target_spec` whose weights are reused as they are.
     """
     from ..targets.hf_target import default_tap_layers
@@ -54,15 +54,15 @@ def load_target_and_drafter(target_spec: str, drafter_path: str | None, mode: st
         if target is None:
             t = load_target(target_spec, tap_layers=tap_layers, num_taps=num_taps, device=device)
             if packed and t.device.type == "cpu":
-                torch_cpu.pack_linears(t.model)
-                torch_cpu.grouped_attention(t.model)
+                kernels.pack_linears(t.model)
+                kernels.grouped_attention(t.model)
             return t
         taps = tap_layers if tap_layers is not None else default_tap_layers(target.info.num_layers, num_taps)
         return target.with_taps(tuple(taps))
 
     def _packed(model: DFlowDrafter) -> DFlowDrafter:
         if packed:
-            torch_cpu.pack_linears(model)
+            kernels.pack_linears(model)
         return model
 
     if mode == "ar":

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..backends import torch_cpu
+from .. import kernels
 from ..decoding.interfaces import FlowState
 from .config import DrafterConfig
 
@@ -210,7 +210,7 @@ class DFlowDrafter(nn.Module):
         """Hidden [..., H] -> logits over the draft vocabulary [..., Vd].
 
         Decoding (inference mode) keeps the gathered draft-vocabulary head between rounds, and
-        packs it for the CPU when the drafter's layers are packed (`torch_cpu.pack_linears`):
+        packs it for the CPU when the drafter's layers are packed (`kernels.pack_linears`):
         gathering and multiplying it per call cost more than the drafter's layers on a CPU.
         Training and export gather each time, so autograd never meets an inference tensor and the
         export graph keeps the shared head.
@@ -218,13 +218,13 @@ class DFlowDrafter(nn.Module):
         if not torch.is_inference_mode_enabled() or self.config.draft_vocab_size is None:
             return F.linear(h, self.draft_head())
         sources = (self.lm_head_weight, self.draft_vocab)
-        packed_layers = isinstance(self.ctx_proj, torch_cpu.PackedLinear)
+        packed_layers = isinstance(self.ctx_proj, kernels.PackedLinear)
         key = getattr(self, "_head_key", None)
-        if key is None or key[0] != packed_layers or not torch_cpu.still_valid(key[1], *sources):
+        if key is None or key[0] != packed_layers or not kernels.still_valid(key[1], *sources):
             head = self.draft_head()
-            self._head, self._head_packed = head, torch_cpu.pack(head) if packed_layers else None
-            self._head_key = (packed_layers, torch_cpu.cache_key(*sources))
-        return torch_cpu.linear(h, self._head, packed=self._head_packed)
+            self._head, self._head_packed = head, kernels.pack(head) if packed_layers else None
+            self._head_key = (packed_layers, kernels.cache_key(*sources))
+        return kernels.linear(h, self._head, packed=self._head_packed)
 
     def __getstate__(self):  # copies and pickles: the decoding head cache is remade on use
         state = super().__getstate__()

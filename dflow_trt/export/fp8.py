@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..atomic import atomic_dir
-from ..backends import torch_cpu
+from .. import kernels
 from ..decoding.loop import generate
 from ..decoding.options import DecodeOptions
 from ..drafter.model import DFlowDrafter
@@ -61,7 +61,7 @@ def calibration_prompts(target: HFTarget, n: int = 32, seed: int = 1234, max_len
 def _quantize(module: nn.Module, forward_loop) -> nn.Module:
     import modelopt.torch.quantization as mtq
 
-    torch_cpu.unpack_linears(module)  # ModelOpt quantizes plain nn.Linear modules
+    kernels.unpack_linears(module)  # ModelOpt quantizes plain nn.Linear modules
     return mtq.quantize(module, copy.deepcopy(mtq.FP8_DEFAULT_CFG), forward_loop)
 
 

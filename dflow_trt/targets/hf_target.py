@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from ..backends.torch_cpu import GROUPED_SDPA
+from ..kernels import GROUPED_SDPA
 from ..decoding.interfaces import TargetInfo, TargetOutput
 from ..decoding.slots import close_block, open_block, prompt_slots
 from ..errors import UserError
