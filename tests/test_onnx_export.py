@@ -8,7 +8,7 @@ from conftest import PROMPTS_TEXT, chat_ids
 from onnx_cache import exported_drafter, exported_target
 from dflow_trt.backends.onnxruntime import OrtDrafter, OrtTarget
 from dflow_trt.decoding.interfaces import FlowState
-from dflow_trt.decoding.loop import _pad_left
+from dflow_trt.decoding.loop import pad_left
 from dflow_trt.decoding.sampling import SamplingParams
 from dflow_trt.drafter.runtime import TorchDrafter
 from dflow_trt.export import onnx_drafter, onnx_target
@@ -52,7 +52,7 @@ def test_target_real_prompts_prefill_verify_commit(tiny_qwen3):
     """Left-padded real prompts, then blocks committed to different lengths per row (holes in the cache)."""
     ort_t = OrtTarget(exported_target(tiny_qwen3))
     assert ort_t.info == tiny_qwen3.info
-    ids, lens = _pad_left([chat_ids(tiny_qwen3, t) for t in PROMPTS_TEXT[:3]], pad_id=0)
+    ids, lens = pad_left([chat_ids(tiny_qwen3, t) for t in PROMPTS_TEXT[:3]], pad_id=0)
     ca, a = tiny_qwen3.prefill(ids, lens)
     cb, b = ort_t.prefill(ids, lens)
     _compare(a, b, ca.valid)

@@ -25,6 +25,14 @@ class Verdict:
     path: torch.Tensor | None = None  # [B, K1+A] verified slots in the kept branch's order (None: the chain)
     took_alt: torch.Tensor | None = None  # [B] bool: rows that kept a first-draft alternative
 
+    def branch(self, x: torch.Tensor) -> torch.Tensor:
+        """The kept branch's rows of a verify output x [B, K1+A, ...] -> [B, K1, ...]."""
+        K1 = self.kept.shape[1]
+        if self.path is None:
+            return x[:, :K1]
+        return x.gather(1, self.path[:, :K1].view(*self.path.shape[:1], K1, *[1] * (x.dim() - 2)).expand(
+            -1, -1, *x.shape[2:]))
+
     def chain_accepted(self) -> torch.Tensor:
         """[B] drafts of the chain accepted, as the flow sees them: a row that kept an alternative
         counts as fully accepted (it carries nothing, the chain read draft 1 there)."""

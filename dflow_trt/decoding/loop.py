@@ -50,7 +50,7 @@ class GenerationResult:
         return n / self.total_s if self.total_s > 0 else 0.0
 
 
-def _pad_left(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_left(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     T = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
     for b, p in enumerate(prompts):
@@ -120,7 +120,7 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]],
     S = o.block_size or (drafter.block_size if o.speculative else 1)
     t_start = time.perf_counter()
 
-    ids, lens = _pad_left(prompts, pad_id=0)
+    ids, lens = pad_left(prompts, pad_id=0)
     cache, out = target.prefill(ids, lens)
     lens, gen = lens.to(out.logits.device), o.sampling.generator(out.logits.device)
     anchor = pick(out.logits[:, -1], o.sampling, gen)  # [B]
@@ -144,11 +144,9 @@ def generate(target: Target, drafter: Drafter | None, prompts: list[list[int]],
         v = judge(plan, out.logits, o.sampling, gen)  # accept
         target.commit(cache, v.num_accepted + 1, v.path)  # commit
         if o.speculative:
-            K1 = plan.chain.shape[1]
-            taps = out.taps[:, :K1] if v.path is None else out.taps.gather(
-                1, v.path[:, :K1, None].expand(-1, -1, out.taps.shape[-1]))  # [B, K1, F] the kept branch
-            ctx, ctx_lens = taps, v.num_accepted + 1
-            if o.mode == "dflow":
+            ctx, ctx_lens = v.branch(out.taps), v.num_accepted + 1  # [B, K1, F]: the kept branch's first a+1
+            if o.mode == "dflow":  # the chain's states as verified, rejected slots included
+                K1 = plan.chain.shape[1]
                 flow = carry_flow(plan.chain, out.taps[:, :K1], out.logits[:, :K1].argmax(-1), v.chain_accepted(), S)
         anchor, anchor_pos = v.next_token, anchor_pos + v.num_accepted + 1
         verify_s += time.perf_counter() - t1

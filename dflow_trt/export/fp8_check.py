@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..atomic import write_text
-from ..decoding.loop import _pad_left, generate
+from ..decoding.loop import pad_left, generate
 from ..decoding.options import DecodeOptions
 from ..drafter.model import DFlowDrafter
 from ..drafter.runtime import TorchDrafter
@@ -91,7 +91,7 @@ def heldout_prompts(target: HFTarget, n: int) -> list[list[int]]:
 def logit_metrics(full: HFTarget, fp8: HFTarget, prompts: list[list[int]], batch_size: int = 8) -> tuple[float, float]:
     agree = kl = n = 0.0
     for i in range(0, len(prompts), batch_size):
-        ids, lens = _pad_left(prompts[i:i + batch_size], pad_id=0)
+        ids, lens = pad_left(prompts[i:i + batch_size], pad_id=0)
         ca, a = full.prefill(ids, lens)
         cb, b = fp8.prefill(ids, lens)
         m = ca.valid  # [B, T]

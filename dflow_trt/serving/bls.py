@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ..decoding.interfaces import FlowState, Proposal, TargetInfo, TargetOutput
+from ..decoding.loop import pad_left
 from ..decoding.sampling import SamplingParams
 from ..drafter.context import append_slots
 from ..errors import UserError
@@ -37,12 +38,9 @@ from .lifecycle import stopping
 Remote = Callable[[str, dict, list[str]], dict]
 
 
-def _pad_left(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    T = max(len(r) for r in rows)
-    ids = np.zeros((len(rows), T), dtype=np.int64)
-    for b, r in enumerate(rows):
-        ids[b, T - len(r):] = r
-    return ids, np.array([len(r) for r in rows], dtype=np.int64)
+def _padded(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    ids, lens = pad_left(rows, pad_id=0)  # [B, T], [B]
+    return ids.numpy(), lens.numpy()
 
 
 # ---------------------------------------------------------------- client side (decoding model)
@@ -94,7 +92,7 @@ class RemoteTarget:
     def prefill(self, input_ids: torch.Tensor, prompt_lens: torch.Tensor) -> tuple[RemoteCache, TargetOutput]:
         T = input_ids.shape[1]
         rows = [input_ids[b, T - int(n):].tolist() for b, n in enumerate(prompt_lens)]
-        ids, lens = _pad_left(rows)
+        ids, lens = _padded(rows)
         x = {"input_ids": ids, "prompt_lens": lens, "num_last": np.array([T], np.int32)}
         if not self.sessions:
             return RemoteCache(committed=rows), self._call(x)
@@ -115,7 +113,7 @@ class RemoteTarget:
             if parents is not None:
                 x["parents"] = parents.numpy().astype(np.int64)
             return self._call({**x, **self._op("verify", cache.session)})
-        ids, lens = _pad_left([c + p for c, p in zip(cache.committed, cache.pending)])
+        ids, lens = _padded([c + p for c, p in zip(cache.committed, cache.pending)])
         return self._call({"input_ids": ids, "prompt_lens": lens, "num_last": np.array([S], np.int32)})
 
     def commit(self, cache: RemoteCache, num_kept: torch.Tensor, path: torch.Tensor | None = None) -> None:
