@@ -1,4 +1,5 @@
-"""Atomic artefact writes and the rule that nothing but our own output is ever deleted.
+"""Atomic artefact writes, the rule that nothing but our own output is ever deleted, and the
+check every JSON artefact we wrote gets when it is read back (`read_json`).
 
 Every artefact (a folder or a file) is written under a temporary sibling named
 `.<name>.dflow-tmp-<random>` and renamed into place, so a reader never sees half of one. A
@@ -10,6 +11,7 @@ own files (`claim_dir`), checked before any work starts.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -112,3 +114,19 @@ def check_writable(path: str | Path, what: str, folder: bool = True) -> None:
     except OSError as e:
         raise UserError(f"cannot write the {what} at {path}: {where} takes no new files ({e.strerror}); "
                         f"pass another path") from None
+
+
+def read_json(path: str | Path, field: str, expected, fix: str) -> dict:
+    """A JSON artefact this project wrote (a manifest, a graph's meta file), recognised by one
+    field's value; refused in one line ending with `fix` when missing, unreadable or foreign."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path} is missing; {fix}")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path} is not readable JSON ({type(e).__name__}); {fix}") from None
+    if not isinstance(data, dict) or data.get(field) != expected:
+        got = data.get(field) if isinstance(data, dict) else None
+        raise UserError(f"{path} has {field} {got!r}, expected {expected!r}; {fix}")
+    return data

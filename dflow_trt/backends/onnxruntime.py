@@ -10,7 +10,6 @@ only the newly committed positions each round. Tensors cross the interface as to
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from ..atomic import read_json
 from ..decoding.interfaces import FlowState, Proposal, TargetInfo, TargetOutput
 from ..decoding.sampling import SamplingParams, propose
 from ..decoding.slots import close_block, open_block, prompt_slots
@@ -38,12 +38,7 @@ def _session(path: Path, threads: int | None = None) -> ort.InferenceSession:
 
 
 def _read_meta(path: Path, kind: str) -> dict:
-    if not path.is_file():
-        raise UserError(f"{path} is missing; re-export with `python scripts/build_engines.py`")
-    meta = json.loads(path.read_text())
-    if meta.get("kind") != kind:
-        raise UserError(f"{path} is not a {kind} file; re-export with `python scripts/build_engines.py`")
-    return meta
+    return read_json(path, "kind", kind, "re-export with `python scripts/build_engines.py`")
 
 
 # ---------------------------------------------------------------- target

@@ -41,6 +41,17 @@ class ModeRun:
     verify_seconds: float = 0.0  # the target's verify passes and acceptance (the loop's verify_s)
     alternatives_taken: int = 0  # rounds that committed a first-draft alternative (`generate(alternatives=)`)
 
+    def add(self, other: "ModeRun") -> None:
+        """Append another run's prompts (same mode and drafter)."""
+        self.tokens += other.tokens
+        self.acceptance += other.acceptance
+        self.rounds_per_prompt += other.rounds_per_prompt
+        self.seconds += other.seconds
+        self.verified += other.verified
+        self.alternatives_taken += other.alternatives_taken
+        self.draft_seconds += other.draft_seconds
+        self.verify_seconds += other.verify_seconds
+
     def prompt_taus(self) -> list[float | None]:
         out, i = [], 0
         for n in self.rounds_per_prompt:
@@ -86,15 +97,9 @@ def run_modes(target_name: str, drafters: dict[str, str | None], modes: list[str
         for m in modes[i % len(modes):] + modes[:i % len(modes)]:
             t, drafter = loaded[m].target, loaded[m].drafter
             r = generate(t, drafter, [p], dataclasses.replace(options, mode=m))
-            run = runs[m]
-            run.tokens.append(r.token_ids[0])
-            run.acceptance += r.acceptance_lengths[0]
-            run.rounds_per_prompt.append(len(r.acceptance_lengths[0]))
-            run.seconds += r.total_s
-            run.verified += r.verified_drafts
-            run.alternatives_taken += r.alternatives_taken
-            run.draft_seconds += r.draft_s
-            run.verify_seconds += r.verify_s
+            acc = r.acceptance_lengths[0]
+            runs[m].add(ModeRun([r.token_ids[0]], acc, r.total_s, "", 0, r.verified_drafts, [len(acc)], r.draft_s,
+                                r.verify_s, r.alternatives_taken))
     return runs
 
 
@@ -135,15 +140,7 @@ def _merge(per_dataset: dict[str, dict[str, ModeRun]]) -> dict[str, ModeRun]:
     merged: dict[str, ModeRun] = {}
     for runs in per_dataset.values():
         for mode, r in runs.items():
-            m = merged.setdefault(mode, ModeRun([], [], 0.0, r.drafter, r.block_size))
-            m.tokens += r.tokens
-            m.acceptance += r.acceptance
-            m.seconds += r.seconds
-            m.verified += r.verified
-            m.rounds_per_prompt += r.rounds_per_prompt
-            m.draft_seconds += r.draft_seconds
-            m.verify_seconds += r.verify_seconds
-            m.alternatives_taken += r.alternatives_taken
+            merged.setdefault(mode, ModeRun([], [], 0.0, r.drafter, r.block_size)).add(r)
     return merged
 
 

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import write_text
-from ..errors import UserError
+from ..atomic import read_json, write_text
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -58,10 +57,5 @@ def write_manifest(build_dir: Path, manifest: dict) -> Path:
 
 
 def read_manifest(build_dir: str | Path) -> dict:
-    path = Path(build_dir) / MANIFEST
-    if not path.is_file():
-        raise UserError(f"no build at {build_dir} (missing {MANIFEST}); run `python scripts/build_engines.py`")
-    m = json.loads(path.read_text())
-    if m.get("format") != FORMAT:
-        raise UserError(f"{path} has format {m.get('format')}, expected {FORMAT}; rebuild with scripts/build_engines.py")
-    return m
+    return read_json(Path(build_dir) / MANIFEST, "format", FORMAT,
+                     f"no build at {build_dir}? (re)build it with `python scripts/build_engines.py`")

@@ -24,19 +24,18 @@ same block inputs as `flow=None`. The target's embeddings and LM head are baked 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..atomic import atomic_dir
 from ..backends.onnx_io import DRAFTER_GRAPH as GRAPH
 from ..backends.onnx_io import DRAFTER_KIND as KIND
 from ..backends.onnx_io import DRAFTER_META as META
 from ..backends.onnx_io import drafter_io_names as io_names
 from ..decoding.interfaces import FlowState
 from ..drafter.model import DFlowDrafter
+from .onnx_graph import save_graph
 
 
 class DrafterGraph(nn.Module):
@@ -94,14 +93,6 @@ def export_drafter(model: DFlowDrafter, out_dir: str | Path, opset: int = 18) ->
     fixed = ({0: A, 1: A}, {0: A, 1: A}, {0: A, 1: A}, {0: A, 1: A}, {0: A, 1: A, 2: A})
     rest = [{0: A, 1: A}] * (4 if c.flow else 0) + [{0: A, 2: A}] * (2 * c.num_layers)
     dyn = (*fixed, tuple(rest))  # *rest (flow inputs, then past K/V) is one group
-    out_dir = Path(out_dir)
-    with atomic_dir(out_dir) as tmp:
-        with torch.no_grad():
-            prog = torch.onnx.export(graph, inputs, dynamo=True, dynamic_shapes=dyn, input_names=in_names,
-                                     output_names=out_names, opset_version=opset, optimize=True, verbose=False)
-        prog.save(str(tmp / GRAPH), external_data=True)
-        meta = {"kind": KIND, "config": c.to_dict(), "inputs": in_names, "outputs": out_names,
-                "draft_vocab": model.draft_vocab.tolist() if c.draft_vocab_size is not None else None,
-                "opset": opset}
-        (tmp / META).write_text(json.dumps(meta) + "\n")
-    return out_dir
+    meta = {"kind": KIND, "config": c.to_dict(),
+            "draft_vocab": model.draft_vocab.tolist() if c.draft_vocab_size is not None else None}
+    return save_graph(graph, inputs, dyn, (in_names, out_names), out_dir, opset, (GRAPH, META), meta)

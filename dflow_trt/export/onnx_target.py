@@ -23,19 +23,18 @@ frozen to 1 (torch.export specializes a dimension whose example size is 1).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 
-from ..atomic import atomic_dir
 from ..backends.onnx_io import TARGET_GRAPH as GRAPH
 from ..backends.onnx_io import TARGET_KIND as KIND
 from ..backends.onnx_io import TARGET_META as META
 from ..backends.onnx_io import target_io_names as io_names
 from ..targets.hf_target import HFTarget
+from .onnx_graph import save_graph
 
 
 def kv_geometry(model) -> tuple[int, int, int]:
@@ -93,17 +92,8 @@ def export_target(target: HFTarget, out_dir: str | Path, opset: int = 18) -> Pat
     # AUTO lets export derive the relations (valid has P+S slots); none of these sizes is frozen
     A = torch.export.Dim.AUTO
     dyn = ({0: A, 1: A}, {0: A, 1: A}, {0: A, 1: A}, tuple({0: A, 2: A} for _ in range(2 * n)))  # *past: one group
-    out_dir = Path(out_dir)
-    with atomic_dir(out_dir) as tmp:
-        with torch.no_grad():
-            prog = torch.onnx.export(graph, inputs, dynamo=True, dynamic_shapes=dyn, input_names=in_names,
-                                     output_names=out_names, opset_version=opset, optimize=True, verbose=False)
-        prog.save(str(tmp / GRAPH), external_data=True)
-        meta = {"kind": KIND, "target": target.info.name, "fingerprint": target.info.fingerprint,
-                "tap_layers": list(target.info.tap_layers), "num_layers": n, "num_kv_heads": hkv, "head_dim": d,
-                "hidden_size": target.info.hidden_size, "vocab_size": target.info.vocab_size,
-                "eos_token_ids": list(target.info.eos_token_ids),
-                "max_context": target.info.max_context, "inputs": in_names, "outputs": out_names,
-                "opset": opset}
-        (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
-    return out_dir
+    meta = {"kind": KIND, "target": target.info.name, "fingerprint": target.info.fingerprint,
+            "tap_layers": list(target.info.tap_layers), "num_layers": n, "num_kv_heads": hkv, "head_dim": d,
+            "hidden_size": target.info.hidden_size, "vocab_size": target.info.vocab_size,
+            "eos_token_ids": list(target.info.eos_token_ids), "max_context": target.info.max_context}
+    return save_graph(graph, inputs, dyn, (in_names, out_names), out_dir, opset, (GRAPH, META), meta)
