@@ -322,7 +322,31 @@ def _math_steps(rng: random.Random) -> tuple[str, str]:
 
 def _math_rate(rng: random.Random) -> tuple[str, str]:
     a, b = rng.sample(NAMES, 2)
-    k = rng.randrange(5)
+    k = rng.randrange(9)
+    if k == 5:
+        ppm, copies, pages = rng.randint(10, 60), rng.randint(5, 40), rng.randint(4, 30)
+        return (f"An office printer prints {ppm} pages per minute. How long does it take to print {copies} copies of a "
+                f"{pages}-page report?",
+                f"{copies} x {pages} = {copies * pages} pages; {copies * pages} / {ppm} = "
+                f"{_n(round(copies * pages / ppm, 2))} minutes.")
+    if k == 6:
+        v1, v2 = rng.choice([(10, 15), (12, 20), (20, 30), (30, 60), (40, 60), (15, 30), (24, 40)])
+        return (f"{a} cycles to {rng.choice(PLACES)} at {v1} km/h and comes back the same way at {v2} km/h. What is "
+                f"the average speed for the whole round trip?",
+                f"For a distance d each way the time is d/{v1} + d/{v2}, so the average is 2 / (1/{v1} + 1/{v2}) = "
+                f"{_n(round(2 * v1 * v2 / (v1 + v2), 2))} km/h, not the mean of the two speeds.")
+    if k == 7:
+        r, h, d, target = rng.randint(20, 200), rng.randint(6, 16), rng.randint(4, 7), rng.randint(10, 200) * 100
+        g = rng.choice(GOODS)[1]
+        return (f"A factory makes {r} {g} an hour. It runs {h} hours a day, {d} days a week. How many {g} does it make "
+                f"in a week, and how many weeks does an order of {target} take?",
+                f"Per week: {r} x {h} x {d} = {r * h * d}. {target} / {r * h * d} = {_n(round(target / (r * h * d), 2))}, "
+                f"so {-(-target // (r * h * d))} weeks.")
+    if k == 8:
+        w, h, t = rng.randint(12, 45), rng.randint(8, 40), rng.randint(5, 80) * 100
+        return (f"{a} earns ${w} an hour and works {h} hours a week. How many weeks will it take to earn ${t}?",
+                f"{a} earns {w} x {h} = ${w * h} a week; {t} / {w * h} = {_n(round(t / (w * h), 2))}, so "
+                f"{-(-t // (w * h))} weeks.")
     if k == 0:
         v, t = rng.randint(4, 24) * 5, rng.choice([1.5, 2, 2.5, 3, 4, 0.5])
         return (f"{a} drives to {rng.choice(PLACES)} at an average speed of {v} km/h and the trip takes {_n(t)} hours. "
@@ -356,7 +380,29 @@ def _math_rate(rng: random.Random) -> tuple[str, str]:
 def _math_percent(rng: random.Random) -> tuple[str, str]:
     a = rng.choice(NAMES)
     g, _gs = rng.choice(GOODS)
-    k = rng.randrange(6)
+    k = rng.randrange(10)
+    if k == 6:
+        p, u, d = rng.randint(4, 40) * 10, rng.choice([10, 20, 25, 50]), rng.choice([10, 20, 25, 50])
+        final = p * (1 + u / 100) * (1 - d / 100)
+        return (f"A {g} costs ${p}. Its price goes up by {u}% and later comes down by {d}%. What is the final price, "
+                f"and is it more or less than at first?",
+                f"${p} x {_n(1 + u / 100)} = ${_n(p * (1 + u / 100))}, then x {_n(1 - d / 100)} = ${final:.2f}, "
+                f"{'more' if final > p else 'less' if final < p else 'the same as'} than ${p}.")
+    if k == 7:
+        t = rng.choice([20, 25, 40, 50, 60, 80])
+        c = rng.randint(t // 2, t)
+        return (f"{a} got {c} out of {t} questions right on a test. What percentage is that?",
+                f"{c} / {t} = {_n(c / t)}, which is {_n(100 * c / t)}%.")
+    if k == 8:
+        pop, r, y = rng.randint(20, 900) * 100, rng.choice([1, 2, 3, 4, 5]), rng.randint(2, 6)
+        return (f"A town has {pop} people and its population grows by {r}% a year. About how many people will live "
+                f"there in {y} years?",
+                f"{pop} x {_n(1 + r / 100)}^{y} = {pop * (1 + r / 100) ** y:.0f} people.")
+    if k == 9:
+        orig, d = rng.randint(4, 60) * 5, rng.choice([10, 20, 25, 40, 50])
+        return (f"After a {d}% discount, {a} paid ${_n(orig * (100 - d) / 100)} for a {g}. What was the original price?",
+                f"${_n(orig * (100 - d) / 100)} is {100 - d}% of the original, so it was "
+                f"${_n(orig * (100 - d) / 100)} / {_n((100 - d) / 100)} = ${orig}.")
     if k == 0:
         p, d = rng.randint(4, 40) * 5, rng.choice([10, 15, 20, 25, 30, 40, 50])
         return (f"A {g} costs ${p}. It is on sale for {d}% off. What is the sale price?",
@@ -392,7 +438,31 @@ TRIPLES = [(3, 4, 5), (5, 12, 13), (6, 8, 10), (8, 15, 17), (9, 12, 15), (7, 24,
 
 def _math_geometry(rng: random.Random) -> tuple[str, str]:
     a = rng.choice(NAMES)
-    k = rng.randrange(6)
+    k = rng.randrange(10)
+    if k == 6:
+        side = rng.randint(2, 40)
+        return (f"A square has a perimeter of {4 * side} cm. What are its area and the length of its diagonal?",
+                f"Each side is {4 * side} / 4 = {side} cm, the area {side * side} cm^2 and the diagonal "
+                f"{side} x sqrt(2) = {side * 2 ** 0.5:.2f} cm.")
+    if k == 7:
+        r, h = rng.randint(1, 5), rng.randint(1, 6)
+        return (f"A cylindrical water tank has a radius of {r} m and a height of {h} m. How many litres does it hold? "
+                f"Use pi = 3.14.",
+                f"Volume = 3.14 x {r}^2 x {h} = {_n(round(3.14 * r * r * h, 2))} m^3 = "
+                f"{_n(round(3140 * r * r * h))} litres.")
+    if k == 8:
+        length, width, t = rng.randint(2, 9), rng.randint(2, 7), rng.choice([20, 25, 50])
+        return (f"A room is {length} m by {width} m. How many square tiles of {t} cm by {t} cm are needed to cover "
+                f"the floor?",
+                f"Each metre takes {100 // t} tiles, so {length * 100 // t} x {width * 100 // t} = "
+                f"{(length * 100 // t) * (width * 100 // t)} tiles.")
+    if k == 9:
+        side = rng.randint(2, 30) * 2
+        return (f"A circle just fits inside a square with sides of {side} cm. What is the area of the square outside "
+                f"the circle? Use pi = 3.14.",
+                f"The square is {side * side} cm^2, the circle (radius {side // 2}) 3.14 x {side // 2}^2 = "
+                f"{_n(round(3.14 * (side // 2) ** 2, 2))} cm^2; the difference is "
+                f"{_n(round(side * side - 3.14 * (side // 2) ** 2, 2))} cm^2.")
     if k == 0:
         w, h, c = rng.randint(5, 40), rng.randint(5, 30), rng.randint(3, 15)
         return (f"{a}'s garden is a rectangle {w} m long and {h} m wide. Fencing costs ${c} per metre. What is the "
@@ -434,7 +504,23 @@ UNITS = [("kilometres", "miles", 0.621371), ("miles", "kilometres", 1.609344), (
 
 def _math_units(rng: random.Random) -> tuple[str, str]:
     a = rng.choice(NAMES)
-    k = rng.randrange(4)
+    k = rng.randrange(8)
+    if k == 4:
+        x = rng.randint(2, 30)
+        return (f"{a} ran {x} miles this week. How many kilometres and how many metres is that?",
+                f"{x} x 1.609344 = {x * 1.609344:.2f} km = {x * 1609.344:.0f} m.")
+    if k == 5:
+        kg, rate = rng.randint(1, 40), rng.choice([2, 3, 4, 5])
+        return (f"Shipping costs ${rate} per pound. What does it cost to ship a {kg} kg parcel?",
+                f"{kg} kg x 2.20462 = {kg * 2.20462:.2f} lb, costing {kg * 2.20462:.2f} x ${rate} = ${kg * 2.20462 * rate:.2f}.")
+    if k == 6:
+        f = rng.randint(25, 95) * 5
+        return (f"An old recipe says to bake at {f} degrees Fahrenheit. What oven setting is that in Celsius?",
+                f"C = (F - 32) x 5/9 = ({f} - 32) x 5/9 = {(f - 32) * 5 / 9:.1f} degrees Celsius.")
+    if k == 7:
+        mpg = rng.randint(18, 60)
+        return (f"{a}'s car does {mpg} miles per US gallon. What is that in litres per 100 km?",
+                f"L/100 km = 235.215 / mpg = 235.215 / {mpg} = {235.215 / mpg:.2f}.")
     if k == 0:
         src, dst, f = rng.choice(UNITS)
         x = rng.randint(2, 250)
@@ -572,7 +658,7 @@ DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sun
 def _explain_prompts(rng: random.Random) -> list[tuple]:
     out = []
     for t in TOPICS_V4:
-        out += [("explain", f.format(t=t)) for f in rng.sample(EXPLAIN_V4, 6)]
+        out += [("explain", f.format(t=t)) for f in rng.sample(EXPLAIN_V4, 8)]
     return out
 
 
@@ -597,11 +683,11 @@ def pool_v4(seed: int) -> list[tuple]:
     pool = _code_prompts(recs, rng("code")) + _prose_prompts(recs, rng("prose"))
     m = rng("math")
     for kind in sorted(MATH):
-        for _ in range(1150):
+        for _ in range(1400):
             q, _sol = MATH[kind](m)
             pool.append((kind, q + m.choice(ASKS)))
-    pool += _multi_turn(rng("multi"), recs, n_math=1200, n_code=700, n_prose=500, n_role=800)
-    pool += _explain_prompts(rng("explain")) + _rewrite_prompts(rng("rewrite"), 900)
+    pool += _multi_turn(rng("multi"), recs, n_math=1200, n_code=700, n_prose=500, n_role=1000)
+    pool += _explain_prompts(rng("explain")) + _rewrite_prompts(rng("rewrite"), 1300)
     rng("order").shuffle(pool)
     return pool
 
@@ -611,23 +697,25 @@ def conversation_text(item) -> str:
 
 
 class NearDupIndex:
-    """8-word shingles of the prompts kept so far, each owned by the first prompt that had it: a new prompt
-    is a near duplicate when one earlier prompt owns NEAR_DUP of its shingles (cheap, and exact for templates)."""
+    """8-word shingles of the prompts kept so far, each with its first OWNERS prompts: a new prompt is a
+    near duplicate when one earlier prompt holds NEAR_DUP of its shingles. A shingle that more than OWNERS
+    prompts share is template boilerplate, so capping its list keeps the check fast and, in practice, exact."""
+
+    OWNERS = 16
 
     def __init__(self, shingle_fn):
-        self.shingles, self.owner = shingle_fn, {}
+        self.shingles, self.owners = shingle_fn, {}
 
     def add(self, i: int, text: str) -> None:
         for s in self.shingles(text):
-            self.owner.setdefault(s, i)
+            owners = self.owners.setdefault(s, [])
+            if len(owners) < self.OWNERS:
+                owners.append(i)
 
     def is_near_dup(self, text: str) -> bool:
         sh = self.shingles(text)
-        if not sh:
-            return False
         counts: dict[int, int] = {}
         for s in sh:
-            j = self.owner.get(s)
-            if j is not None:
+            for j in self.owners.get(s, ()):
                 counts[j] = counts.get(j, 0) + 1
         return bool(counts) and max(counts.values()) >= NEAR_DUP * len(sh)
