@@ -24,9 +24,11 @@ import functools
 import hashlib
 import importlib.metadata
 import importlib.util
+import math
 import random
 import re
 import textwrap
+from fractions import Fraction
 from pathlib import Path
 
 from ..errors import UserError
@@ -48,7 +50,7 @@ PINNED = (
     ("transformers", "5.17.0", "transformers", ("generation", "data", "models/llama", "models/gpt2", "models/bert"), "ea89d04ca18cfa2a"),
     ("sympy", "1.14.0", "sympy", ("ntheory", "combinatorics"), "866be34a8607d2c0"),
 )
-NEAR_DUP = 0.6  # a prompt sharing this share of its 8-word shingles with one earlier prompt is a near duplicate
+NEAR_DUP = Fraction(3, 5)  # a prompt sharing this share of its 8-word shingles with one earlier prompt is a near duplicate
 
 
 def _is_test(rel: str) -> bool:
@@ -261,6 +263,14 @@ GOODS = [("notebook", "notebooks"), ("pen", "pens"), ("apple", "apples"), ("sand
          ("bottle of juice", "bottles of juice"), ("pack of cards", "packs of cards"), ("candle", "candles")]
 PLACES = ["the library", "the market", "school", "the park", "the museum", "the lake", "the station", "the beach",
           "the next town", "the farm", "the stadium", "the airport"]
+LEADS = ["Here is a problem from my homework.", "My teacher gave us this one.", "A puzzle from our maths club:",
+         "Quick maths check, please.", "I'm stuck on this word problem.", "Can you help me solve this?",
+         "This came up while I was planning a trip.", "My little brother asked me this and I'm not sure.",
+         "From a practice test:", "I'm revising for an exam. Here is a question.", "Try this one:",
+         "A real question from my job today:", "We argued about this at dinner.", "For a school project:",
+         "I want to check my answer to this.", "This is from a workbook for adults returning to maths.",
+         "Solve this for me, and explain it like a tutor would.", "Here's a brain teaser.",
+         "I need this for planning a community event.", "A question from a job interview aptitude test:"]
 ASKS = ["", " Show your work.", " Explain step by step.", " Give the final answer on its own line.",
         " Think it through before answering.", " Explain your reasoning briefly."]
 
@@ -685,7 +695,8 @@ def pool_v4(seed: int) -> list[tuple]:
     for kind in sorted(MATH):
         for _ in range(1400):
             q, _sol = MATH[kind](m)
-            pool.append((kind, q + m.choice(ASKS)))
+            lead = m.choice(LEADS) + " " if m.random() < 0.7 else ""
+            pool.append((kind, lead + q + m.choice(ASKS)))
     pool += _multi_turn(rng("multi"), recs, n_math=1200, n_code=700, n_prose=500, n_role=1000)
     pool += _explain_prompts(rng("explain")) + _rewrite_prompts(rng("rewrite"), 1300)
     rng("order").shuffle(pool)
@@ -697,25 +708,22 @@ def conversation_text(item) -> str:
 
 
 class NearDupIndex:
-    """8-word shingles of the prompts kept so far, each with its first OWNERS prompts: a new prompt is a
-    near duplicate when one earlier prompt holds NEAR_DUP of its shingles. A shingle that more than OWNERS
-    prompts share is template boilerplate, so capping its list keeps the check fast and, in practice, exact."""
-
-    OWNERS = 16
+    """8-word shingles of the prompts kept so far: a new prompt is a near duplicate when one earlier prompt
+    holds NEAR_DUP of its shingles. Exact, and fast: an earlier prompt that holds `need` of a prompt's n
+    shingles holds one of any n - need + 1 of them, so only the owners of its rarest ones are compared."""
 
     def __init__(self, shingle_fn):
-        self.shingles, self.owners = shingle_fn, {}
+        self.shingles, self.owners, self.sets = shingle_fn, {}, {}
 
     def add(self, i: int, text: str) -> None:
-        for s in self.shingles(text):
-            owners = self.owners.setdefault(s, [])
-            if len(owners) < self.OWNERS:
-                owners.append(i)
+        sh = self.sets[i] = self.shingles(text)
+        for s in sh:
+            self.owners.setdefault(s, []).append(i)
 
     def is_near_dup(self, text: str) -> bool:
         sh = self.shingles(text)
-        counts: dict[int, int] = {}
-        for s in sh:
-            for j in self.owners.get(s, ()):
-                counts[j] = counts.get(j, 0) + 1
-        return bool(counts) and max(counts.values()) >= NEAR_DUP * len(sh)
+        need = math.ceil(NEAR_DUP * len(sh))
+        if not sh:
+            return False
+        rare = sorted((len(self.owners.get(s, ())), s) for s in sh)[:len(sh) - need + 1]
+        return any(len(sh & self.sets[j]) >= need for j in {j for _, s in rare for j in self.owners.get(s, ())})
