@@ -20,12 +20,13 @@ from dflow_trt.errors import UserError
 from dflow_trt.training import prompt_sources
 from dflow_trt.training.prompts import _shingles, build_prompts, mtbench_all_turns
 
-POOLS_1_TO_3 = 7658  # where pool 4 starts: data/smollm2-135m-p7658 begins there
+POOLS_1_TO_3 = 7662  # where pool 4 starts (data/smollm2-135m-p7658 begins 4 earlier, where p5376 ends)
 NEW_KINDS = {"code-pkg", "code-spec", "summarize", "rewrite", "multi-turn", "explain", "math-steps", "math-rate",
              "math-percent", "math-geometry", "math-units", "math-stats"}
 
 
 def _text(p: dict) -> str:
+    """The whole conversation of a multi-turn prompt, else its text."""
     return "\n\n".join(m["content"] for m in p["messages"]) if "messages" in p else p["prompt"]
 
 
@@ -35,13 +36,13 @@ def _digest(prompts: list[dict]) -> str:
 
 # make-data builds the pool in a plain process. Under pytest each test runs inside
 # warnings.catch_warnings(record=True), which swaps warnings._showwarnmsg_impl for a bound method, so
-# pool 3 (which reads stdlib functions) loses one and pools 1-3 hold 7,653 prompts instead of 7,658:
-# the pool whose positions the data sets use is checked in a subprocess.
+# pool 3 (which reads stdlib functions) loses one: the positions the data sets use are checked in a
+# subprocess.
 _BUILD = """
 import json, sys
 from dflow_trt.training.prompts import build_prompts
 full = build_prompts(10**6)
-prefixes = {n: build_prompts(n) == full[:n] for n in (7658, 7728, 15001)}
+prefixes = {n: build_prompts(n) == full[:n] for n in (7658, 7663, 7728, 15001)}
 json.dump({"full": full, "prefixes": prefixes}, sys.stdout)
 """
 
@@ -72,7 +73,7 @@ def test_pool_is_large_and_pool_4_starts_after_the_frozen_pools(full):
 
 
 def test_prefixes_are_stable_across_the_pool_boundary(built):
-    assert built["prefixes"] == {"7658": True, "7728": True, "15001": True}
+    assert built["prefixes"] == {"7658": True, "7663": True, "7728": True, "15001": True}
     assert built["full"][POOLS_1_TO_3]["source"] in NEW_KINDS  # pool 4 starts where the campaign starts
     assert built["full"][POOLS_1_TO_3 - 1]["source"] not in NEW_KINDS - {"explain"}
 
@@ -129,7 +130,7 @@ def test_multi_turn_prompts_alternate_and_end_with_the_user(full):
     assert len(multi) > 1500 and all(p["source"] == "multi-turn" for p in multi)
     for p in multi:
         roles = [m["role"] for m in p["messages"]]
-        assert roles == ["user", "assistant", "user"] and p["prompt"] == p["messages"][-1]["content"]
+        assert roles == ["user", "assistant", "user"] and p["prompt"] == _text(p)
         assert all(m["content"].strip() for m in p["messages"])
 
 
@@ -183,3 +184,21 @@ def test_make_data_lays_out_the_conversation(tiny_qwen3, tmp_path):
     assert row["id"] == i and row["prompt_ids"] == want
     text = tiny_qwen3.tokenizer.decode(row["prompt_ids"])
     assert all(m["content"][:40] in text for m in full[i]["messages"])
+
+
+@pytest.mark.slow
+def test_the_committed_data_sets_still_match_the_pool(smollm2, full):
+    """data/smollm2-135m-p5376 and -p7658 were made by make-data: their prompt ids are the pool's prompts
+    through the chat template (pools 1-3 as make-data builds them, pool 4 with its conversations)."""
+    from pathlib import Path
+
+    from dflow_trt.training.data import _chat
+
+    root = Path(__file__).resolve().parent.parent / "data"
+    checked = 0
+    for name in ("smollm2-135m-p5376", "smollm2-135m-p7658"):
+        for shard in sorted((root / name).glob("shard-*.jsonl"))[:3]:
+            for row in map(json.loads, shard.read_text().splitlines()[::7]):
+                assert row["prompt_ids"] == _chat(smollm2.tokenizer, full[row["id"]]), (name, row["id"])
+                checked += 1
+    assert checked >= 20
