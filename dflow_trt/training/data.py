@@ -43,9 +43,11 @@ class Sequence:
         return self.prompt_ids + self.response_ids
 
 
-def _chat(tokenizer, text: str) -> list[int]:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=True)["input_ids"]
+def _chat(tokenizer, prompt: dict) -> list[int]:
+    """Token ids of a prompt as the chat template lays it out: one user turn, or its "messages" (multi-turn)."""
+    messages = prompt.get("messages") or [{"role": "user", "content": prompt["prompt"]}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                         return_dict=True)["input_ids"]
 
 
 def generate_dataset(target: HFTarget, out_dir: Path, num_prompts: int, max_new_tokens: int = 128,
@@ -90,7 +92,7 @@ def generate_dataset(target: HFTarget, out_dir: Path, num_prompts: int, max_new_
         lines = []
         for j in range(0, len(chunk), batch_size):
             batch = chunk[j:j + batch_size]
-            ids = [_chat(target.tokenizer, p["prompt"]) for p in batch]
+            ids = [_chat(target.tokenizer, p) for p in batch]
             res = generate(target, None, ids, DecodeOptions(mode="ar", max_new_tokens=max_new_tokens))
             for p, pid, rid in zip(batch, ids, res.token_ids):
                 lines.append(json.dumps({"id": p["id"], "source": p["source"], "prompt_ids": pid, "response_ids": rid}))
@@ -109,7 +111,7 @@ def _shard_done(path: Path, chunk: list[dict], tokenizer) -> bool:
     ids = [r.get("id") for r in rows]
     if not rows:
         return False
-    if ids != [p["id"] for p in chunk][: len(ids)] or rows[0].get("prompt_ids") != _chat(tokenizer, chunk[0]["prompt"]):
+    if ids != [p["id"] for p in chunk][: len(ids)] or rows[0].get("prompt_ids") != _chat(tokenizer, chunk[0]):
         raise UserError(f"{path} was generated from other prompts than this version's prompt set (another "
                         f"dflow_trt or Python version?); use another --data-dir or delete the data set")
     return len(rows) == len(chunk)  # the short last shard of a smaller data set is regenerated whole

