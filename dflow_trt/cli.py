@@ -410,8 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=COUNT, default=64)
     g.add_argument("--block-size", type=BLOCK, default=None, help="drafter block (default: as trained)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
-    g.add_argument("--backend", default="torch", choices=["torch", "onnxruntime"],
-                   help="onnxruntime runs the exported graphs (exported into --build-dir first if missing)")
+    g.add_argument("--backend", default="torch", choices=["torch", "onnxruntime", "static"],
+                   help="onnxruntime runs the exported graphs (exported into --build-dir first if missing); "
+                        "static runs the target over preallocated KV pools (backends/static.py)")
     g.add_argument("--build-dir", default=None, help="build folder for --backend onnxruntime (default build/<target>)")
     _add_verify_threshold(g)
     _add_alternatives(g)
