@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .backends.static import static_target
 from .decoding.interfaces import Drafter, Target
 from .decoding.options import MODES
 from .drafter.defaults import load_target_and_drafter, shipped_drafter_path
@@ -60,8 +61,6 @@ def load_modes(target_spec: str, backend: str = "torch", drafters: dict[str, str
             t, model = load_target_and_drafter(target_spec, drafters.get(mode), mode, warn=log, target=base)
             out[mode] = ModeModels(t, TorchDrafter(model) if model is not None else None)
         if backend == "static":
-            from .backends.static import static_target
-
             out = {m: ModeModels(static_target(mm.target), mm.drafter) for m, mm in out.items()}
         return out
     return _load_onnxruntime(target_spec, drafters, modes, build_dir, build, log)
