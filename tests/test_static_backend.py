@@ -220,3 +220,19 @@ def test_loader_gives_static_targets():
     assert all(isinstance(m.target, StaticTarget) for m in models.values())
     assert isinstance(models["dflow"].drafter, TorchDrafter)
     assert models["dflow"].drafter.config.tap_layers == models["dflow"].target.info.tap_layers
+
+
+def test_bench_static_smoke(tmp_path):
+    """`bench static` end to end on the few-MB random target (the GPU script's path, on a CPU): a report
+    whose back ends decode the same tokens."""
+    import json
+
+    from dflow_trt.benchmarks import static as bench
+
+    out = tmp_path / "static.json"
+    assert bench.run(size="smoke", device="cpu", context=32, repeats=1, new_tokens=4, json_out=str(out)) == 0
+    r = json.loads(out.read_text())
+    assert [row["backend"] for row in r["rows"]] == ["eager", "static"]
+    assert all(g["same_tokens_as_eager"] for g in r["generate"]) and len(r["generate"]) == 4
+    with pytest.raises(UserError, match="--cuda-graphs needs --device cuda"):
+        bench.run(size="smoke", device="cpu", cuda_graphs=True, json_out=None)
