@@ -222,17 +222,24 @@ def test_loader_gives_static_targets():
     assert models["dflow"].drafter.config.tap_layers == models["dflow"].target.info.tap_layers
 
 
-def test_bench_static_smoke(tmp_path):
-    """`bench static` end to end on the few-MB random target (the GPU script's path, on a CPU): a report
-    whose back ends decode the same tokens."""
+def test_bench_static_smoke(tmp_path, capsys):
+    """`dflow-trt bench static` end to end on the few-MB random target (the GPU script's path, on a
+    CPU): a report whose back ends decode the same tokens; graphs on a CPU refused in one line."""
     import json
 
-    from dflow_trt.benchmarks import static as bench
+    from dflow_trt.cli import main
+    from test_cli_bad_input import refused
 
+    n = torch.get_num_threads()
     out = tmp_path / "static.json"
-    assert bench.run(size="smoke", device="cpu", context=32, repeats=1, new_tokens=4, json_out=str(out)) == 0
+    try:
+        rc = main(["bench", "static", "--size", "smoke", "--context", "32", "--repeats", "1", "--new-tokens", "4",
+                   "--threads", "1", "--json-out", str(out)])
+    finally:
+        torch.set_num_threads(n)
+    assert rc == 0, capsys.readouterr()
     r = json.loads(out.read_text())
-    assert [row["backend"] for row in r["rows"]] == ["eager", "static"]
+    assert [row["backend"] for row in r["rows"]] == ["eager", "static"] and "machine" in r
     assert all(g["same_tokens_as_eager"] for g in r["generate"]) and len(r["generate"]) == 4
-    with pytest.raises(UserError, match="--cuda-graphs needs --device cuda"):
-        bench.run(size="smoke", device="cpu", cuda_graphs=True, json_out=None)
+    refused(capsys, ["bench", "static", "--size", "smoke", "--cuda-graphs", "--json-out", tmp_path / "g.json"],
+            "--cuda-graphs needs --device cuda")
