@@ -12,6 +12,7 @@ checks that path on a CPU in seconds.
 
 from __future__ import annotations
 
+import os
 import time
 
 from ..errors import UserError
@@ -133,6 +134,7 @@ def run(target: str = "smollm2-135m", size: str | None = None, mode: str = "dflo
         raise UserError("--cuda-graphs needs --device cuda (CUDA graphs do not exist on a CPU); drop it")
     report.set_threads(threads)
     con = report.console()
+    load_before = os.getloadavg()[0]  # a shared machine: the other work that ran meanwhile
     eager, drafter, S = _load(target, size, mode, device, dtype, block)
     sync = device_sync(torch.device(device))
     calls_per_case = WARMUP + repeats + 1
@@ -177,7 +179,7 @@ def run(target: str = "smollm2-135m", size: str | None = None, mode: str = "dflo
     out = {"target": label, "mode": mode, "device": card, "dtype": dtype if size else str(eager.model.dtype),
            "context": context, "block": S, "repeats": repeats, "pool_max_len": max_len,
            "setup_s": setup_s, "first_calls_s": first_s, "drafter_pass_ms": ms["drafter", "pass"],
-           "rows": rows, "generate": gen}
+           "rows": rows, "generate": gen, "load_average_1m": [load_before, os.getloadavg()[0]]}
     if json_out:
         con.print(f"wrote {report.write_json(json_out, out)}")
     return 0
