@@ -220,6 +220,13 @@ def test_loader_gives_static_targets():
     assert all(isinstance(m.target, StaticTarget) for m in models.values())
     assert isinstance(models["dflow"].drafter, TorchDrafter)
     assert models["dflow"].drafter.config.tap_layers == models["dflow"].target.info.tap_layers
+    # a drafter builds against a static target as against the eager one (shared embeddings and head)
+    from dflow_trt.drafter.defaults import untrained_config
+    from dflow_trt.drafter.io import build_drafter
+
+    st = models["dflow"].target
+    d = build_drafter(st, untrained_config(st, flow=True, block_size=4))
+    assert d.embed_weight.data_ptr() == st.model.get_input_embeddings().weight.data_ptr()
 
 
 def test_bench_static_smoke(tmp_path, capsys):

@@ -86,7 +86,7 @@ class StaticTarget:
         self.prefill_logits, self.fixed_window = prefill_logits, bool(compile or cuda_graphs)
         self.cuda_graphs = cuda_graphs
         inner = model.model
-        self.embed, self.layers, self.norm, self.lm_head = inner.embed_tokens, inner.layers, inner.norm, model.lm_head
+        self.embed, self.layers, self.norm, self.head = inner.embed_tokens, inner.layers, inner.norm, model.lm_head
         self.qk_norm = c.model_type == "qwen3"
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.num_kv_heads, self.scale = c.num_key_value_heads, self.head_dim ** -0.5
@@ -110,8 +110,8 @@ class StaticTarget:
         return self.hf.input_embeddings
 
     @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.hf.lm_head
+    def lm_head(self) -> torch.Tensor:
+        return self.hf.lm_head  # [V, H], what a drafter shares
 
     def with_taps(self, tap_layers: tuple[int, ...]) -> "StaticTarget":
         return StaticTarget(self.hf.with_taps(tap_layers), self.max_len, self.prefill_logits,
@@ -149,7 +149,7 @@ class StaticTarget:
         return x, t
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(x)).float()  # [B, S, V]
+        return self.head(self.norm(x)).float()  # [B, S, V]
 
     def _verify_core(self, ks: list, vs: list, ids: torch.Tensor, fill: torch.Tensor, anc: torch.Tensor,
                      depth: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
