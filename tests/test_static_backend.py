@@ -250,3 +250,18 @@ def test_bench_static_smoke(tmp_path, capsys):
     assert all(g["same_tokens_as_eager"] for g in r["generate"]) and len(r["generate"]) == 4
     refused(capsys, ["bench", "static", "--size", "smoke", "--cuda-graphs", "--json-out", tmp_path / "g.json"],
             "--cuda-graphs needs --device cuda")
+
+
+def test_generate_cli_backend_static_equals_torch(capsys):
+    """`dflow-trt generate --backend static` gives `--backend torch`'s tokens."""
+    import json
+
+    from dflow_trt.cli import main
+
+    got = {}
+    for backend in ("torch", "static"):
+        assert main(["generate", "--target", "tiny-qwen3", "--mode", "dflow", "--prompt", "hello world",
+                     "--max-new-tokens", "12", "--block-size", "4", "--json", "--backend", backend]) == 0
+        got[backend] = json.loads(capsys.readouterr().out)
+    assert got["static"]["backend"] == "static"
+    assert got["static"]["token_ids"] == got["torch"]["token_ids"] and len(got["torch"]["token_ids"]) == 12
