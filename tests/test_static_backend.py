@@ -3,9 +3,9 @@ from: the same forward within fp32 rounding, and the same decodes token for toke
 
 import pytest
 import torch
-
 from conftest import assert_greedy_equivalent, chat_prompts
 from doubles import rounds, varied_drafter
+
 from dflow_trt.backends.static import BLOCK_HEADROOM, StaticTarget
 from dflow_trt.decoding.loop import generate
 from dflow_trt.decoding.options import DecodeOptions
@@ -252,8 +252,9 @@ def test_bench_static_smoke(tmp_path, capsys):
     CPU): a report whose back ends decode the same tokens; graphs on a CPU refused in one line."""
     import json
 
-    from dflow_trt.cli import main
     from test_cli_bad_input import refused
+
+    from dflow_trt.cli import main
 
     n = torch.get_num_threads()
     out = tmp_path / "static.json"

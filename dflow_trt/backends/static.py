@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from ..decoding.interfaces import TargetInfo, TargetOutput
+from ..decoding.interfaces import TargetOutput
 from ..decoding.slots import prompt_slots
 from ..errors import UserError
 from ..targets.hf_target import HFTarget, tree_ancestors
@@ -113,7 +113,7 @@ class StaticTarget:
     def lm_head(self) -> torch.Tensor:
         return self.hf.lm_head  # [V, H], what a drafter shares
 
-    def with_taps(self, tap_layers: tuple[int, ...]) -> "StaticTarget":
+    def with_taps(self, tap_layers: tuple[int, ...]) -> StaticTarget:
         return StaticTarget(self.hf.with_taps(tap_layers), self.max_len, self.prefill_logits,
                             self._verify is not self._verify_core, self.cuda_graphs)
 
@@ -204,7 +204,7 @@ class StaticTarget:
     @torch.inference_mode()
     def verify(self, cache: StaticCache, block_ids: torch.Tensor, parents: torch.Tensor | None = None) -> TargetOutput:
         assert cache.pending == 0, "commit() the previous block before verifying the next"
-        B, S = block_ids.shape
+        S = block_ids.shape[1]
         if S > BLOCK_HEADROOM:
             raise UserError(f"block of {S} slots exceeds the static pool's headroom of {BLOCK_HEADROOM}; "
                             f"use a block size of at most {BLOCK_HEADROOM}")
@@ -255,11 +255,11 @@ class StaticTarget:
         its static buffers. A graph binds the pools' addresses, so each request's cache captures its
         own graphs (per block size and chain/tree), kept on the cache."""
         graphs = cache.__dict__.setdefault("graphs", {})
-        B, S = ids.shape
+        S = ids.shape[1]
         g = graphs.get(S)
         if g is None:
             bufs = {"ids": ids.clone(), "fill": cache.fill.clone(), "anc": anc.clone(), "depth": depth.clone()}
-            args = lambda: (cache.k, cache.v, bufs["ids"], bufs["fill"], bufs["anc"], bufs["depth"],  # noqa: E731
+            args = lambda: (cache.k, cache.v, bufs["ids"], bufs["fill"], bufs["anc"], bufs["depth"],
                             self.slots)
             # warm up on a side stream (lazy inits), then capture; the warm-up's writes land in the
             # block's own slots, which the capture and every replay rewrite before reading
