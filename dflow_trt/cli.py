@@ -131,6 +131,15 @@ def cmd_bench_scale(a: argparse.Namespace) -> int:
                      a.json_out, a.threads)
 
 
+def cmd_bench_static(a: argparse.Namespace) -> int:
+    from .benchmarks import static as bench
+
+    check_output(a.json_out, "static back end report (--json-out)")
+    dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
+    return bench.run(a.target, a.size, a.mode, a.device, dtype, a.context, a.block_size, a.repeats, a.new_tokens,
+                     a.compile, a.cuda_graphs, a.threads, a.json_out)
+
+
 def cmd_bench_fp8_matmul(a: argparse.Namespace) -> int:
     from .benchmarks import fp8_matmul as bench
 
@@ -263,7 +272,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
 def _add_bench(sub) -> None:
     """`dflow-trt bench <what>`: every benchmark behind one command, each with its own flags."""
     bench = sub.add_parser("bench", help="measure: decode (tau, tokens/s per mode), round, verify, kv, scale, "
-                                         "fp8-matmul, serving, hints, training, training-tau, zlab-vocab",
+                                         "static, fp8-matmul, serving, hints, training, training-tau, zlab-vocab",
                            description="Every benchmark prints a table and writes a JSON report that records the "
                                        "machine it ran on (CPU, flags, threads, torch, date).")
     what = bench.add_subparsers(dest="what", metavar="WHAT", required=True)
@@ -341,6 +350,24 @@ def _add_bench(sub) -> None:
     s.add_argument("--threads", type=THREADS, default=None)
     json_out(s, "build/reports/bench_scale.json")
 
+    st = add("static", cmd_bench_static, "the eager target against the static back end (preallocated KV pools): "
+                                         "ar step, block verify, drafter pass, whole rounds and generate()")
+    st.add_argument("--target", default="smollm2-135m")
+    st.add_argument("--size", default=None, choices=sorted(PRESETS),
+                    help="a random-init target and drafter of this size instead of --target (qwen3-8b: a GPU)")
+    st.add_argument("--mode", default="dflow", choices=["dflash", "dflow"])
+    st.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    st.add_argument("--dtype", default=None, choices=list(DTYPES), help="--size only (default bfloat16 on cuda, "
+                                                                         "float32 on cpu)")
+    st.add_argument("--context", type=COUNT, default=256)
+    st.add_argument("--block-size", type=BLOCK, default=None, help="default: the drafter's")
+    st.add_argument("--repeats", type=COUNT, default=10)
+    st.add_argument("--new-tokens", type=START, default=48, help="generate() tokens per mode (0 skips it)")
+    st.add_argument("--compile", action="store_true", help="also time the static target under torch.compile")
+    st.add_argument("--cuda-graphs", action="store_true", help="also time it with CUDA-graph replay (--device cuda)")
+    st.add_argument("--threads", type=THREADS, default=None)
+    json_out(st, "docs/bench_static.json")
+
     f = add("fp8-matmul", cmd_bench_fp8_matmul, "FP8 matmuls at Qwen3-8B's shapes: error against float64, "
                                                 "speed against bf16 (CUDA, compute capability 8.9+)")
     f.add_argument("--ms", type=number_list(COUNT), default=[16, 256, 4096],
@@ -410,8 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=COUNT, default=64)
     g.add_argument("--block-size", type=BLOCK, default=None, help="drafter block (default: as trained)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
-    g.add_argument("--backend", default="torch", choices=["torch", "onnxruntime"],
-                   help="onnxruntime runs the exported graphs (exported into --build-dir first if missing)")
+    g.add_argument("--backend", default="torch", choices=["torch", "onnxruntime", "static"],
+                   help="onnxruntime runs the exported graphs (exported into --build-dir first if missing); "
+                        "static runs the target over preallocated KV pools (backends/static.py)")
     g.add_argument("--build-dir", default=None, help="build folder for --backend onnxruntime (default build/<target>)")
     _add_verify_threshold(g)
     _add_alternatives(g)

@@ -2,8 +2,9 @@
 
 Every entry point loads through here (`generate`, the benchmarks, the served models), so a mode's
 target always taps what its drafter reads and a drafter is always checked against its target.
-Back ends: `torch` (the Hugging Face target and the PyTorch drafter) and `onnxruntime` (the graphs
-of a build folder; `build=True` exports them first when missing or stale). TensorRT-LLM and the
+Back ends: `torch` (the Hugging Face target and the PyTorch drafter), `static` (the same weights
+through `backends/static.py`'s preallocated-KV forward, with the PyTorch drafter) and `onnxruntime`
+(the graphs of a build folder; `build=True` exports them first when missing or stale). TensorRT-LLM and the
 remote (BLS) back end load in the serving layer: they draft or verify inside a server.
 """
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .backends.static import static_target
 from .decoding.interfaces import Drafter, Target
 from .decoding.options import MODES
 from .drafter.defaults import load_target_and_drafter, shipped_drafter_path
@@ -21,7 +23,7 @@ from .drafter.runtime import TorchDrafter
 from .errors import UserError
 from .targets import load_tokenizer
 
-BACKENDS = ("torch", "onnxruntime")
+BACKENDS = ("torch", "onnxruntime", "static")
 
 
 @dataclass
@@ -52,12 +54,14 @@ def load_modes(target_spec: str, backend: str = "torch", drafters: dict[str, str
     drafters = drafters or {}
     if backend not in BACKENDS:
         raise UserError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
-    if backend == "torch":
+    if backend in ("torch", "static"):
         base = target if target is not None else load_target_and_drafter(target_spec, None, "ar", warn=log)[0]
         out = {}
         for mode in modes:
             t, model = load_target_and_drafter(target_spec, drafters.get(mode), mode, warn=log, target=base)
             out[mode] = ModeModels(t, TorchDrafter(model) if model is not None else None)
+        if backend == "static":
+            out = {m: ModeModels(static_target(mm.target), mm.drafter) for m, mm in out.items()}
         return out
     return _load_onnxruntime(target_spec, drafters, modes, build_dir, build, log)
 

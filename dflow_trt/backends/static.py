@@ -1,0 +1,293 @@
+"""Static back end (`--backend static`): a lean target forward over preallocated KV pools.
+
+The eager target (`targets/hf_target.py`) grows a transformers cache and crops it every round, and
+its forward rebuilds masks and position tables through transformers' generic machinery. Here the
+same Hugging Face weights (borrowed, not copied: the fingerprint is the same) run through a short
+forward written for the Llama and Qwen3 families, and each layer's K/V live in one pool
+[B, Hkv, slots, D] allocated at prefill: row b's slot i holds position i, `fill[b]` counts its
+committed slots. A verify writes its block at slots fill..fill+S-1 (a scatter, no concatenation),
+commit moves the pointer (for a token tree it first moves the kept branch's K/V into place); nothing
+is cropped. Every verify of block S has the same shapes when the attention reads the whole pool
+(`fixed_window`), which is what `torch.compile` without recompiles and CUDA-graph capture need; in
+eager mode the attention reads only the slots in use (one host read per commit, free on a CPU).
+
+Shapes: B rows, S block slots, T prompt length, W attended slots, H/Hkv query/KV heads, D head size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from ..decoding.interfaces import TargetOutput
+from ..decoding.slots import prompt_slots
+from ..errors import UserError
+from ..targets.hf_target import HFTarget, tree_ancestors
+
+FAMILIES = ("llama", "qwen3")
+# Pool slots past max_len: room for one block of a row at the end of its budget (and for finished
+# rows of a batch, which the loop keeps verifying with their pointer held at max_len).
+BLOCK_HEADROOM = 64
+DEFAULT_MAX_LEN = 2048
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # position tables that do not change with length
+
+
+@dataclass
+class StaticCache:
+    k: list[torch.Tensor]  # per layer [B, Hkv, slots, D]
+    v: list[torch.Tensor]
+    fill: torch.Tensor  # [B] long: committed slots per row == the row's next position
+    hi: int  # host copy of max(fill): bounds the eager attention window
+    pending: int = 0  # slots of the last verified block awaiting commit()
+
+    @property
+    def next_pos(self) -> torch.Tensor:
+        return self.fill
+
+
+class StaticTarget:
+    """Target interface over a Llama/Qwen3 `HFTarget`'s weights with static KV pools.
+
+    `max_len`: positions a row may hold (prompt + output); the loop refuses longer requests up
+    front through `info.max_context`. `prefill_logits`: "last" returns prefill logits [B, 1, V]
+    (all the loop reads: `out.logits[:, -1]`), "all" [B, T, V] like the eager target. `compile`:
+    `torch.compile` the verify forward (fixed shapes). `cuda_graphs`: capture each verify shape
+    once and replay it (CUDA only)."""
+
+    supports_tree = True
+
+    def __init__(self, hf: HFTarget, max_len: int | None = None, prefill_logits: str = "last",
+                 compile: bool = False, cuda_graphs: bool = False):
+        model, c = hf.model, hf.model.config
+        if c.model_type not in FAMILIES:
+            raise UserError(f"the static back end runs {', '.join(FAMILIES)} targets, not {c.model_type!r}; "
+                            f"use --backend torch")
+        rope = (getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in STATIC_ROPE or getattr(c, "use_sliding_window", False) or any(
+                t != "full_attention" for t in (getattr(c, "layer_types", None) or ["full_attention"])):
+            raise UserError(f"the static back end needs full attention and a fixed RoPE table (rope type "
+                            f"{rope_type!r}, sliding window: {getattr(c, 'use_sliding_window', False)}); "
+                            f"use --backend torch")
+        if prefill_logits not in ("last", "all"):
+            raise ValueError(f"prefill_logits must be 'last' or 'all', got {prefill_logits!r}")
+        if cuda_graphs and hf.device.type != "cuda":
+            raise UserError("CUDA graphs need a CUDA target (load it with --device cuda); drop --cuda-graphs on "
+                            "a CPU")
+        ctx = getattr(c, "max_position_embeddings", None)
+        self.max_len = int(max_len or min(ctx or DEFAULT_MAX_LEN, DEFAULT_MAX_LEN))
+        if ctx and self.max_len > ctx:
+            raise UserError(f"max_len {self.max_len} exceeds the target's context of {ctx} positions; ask for fewer")
+        self.slots = self.max_len + BLOCK_HEADROOM
+        self.hf, self.model, self.tokenizer = hf, model, hf.tokenizer
+        self.info = replace(hf.info, max_context=self.max_len)  # same fingerprint and taps
+        self.prefill_logits, self.fixed_window = prefill_logits, bool(compile or cuda_graphs)
+        self.cuda_graphs = cuda_graphs
+        inner = model.model
+        self.embed, self.layers, self.norm, self.head = inner.embed_tokens, inner.layers, inner.norm, model.lm_head
+        self.qk_norm = c.model_type == "qwen3"
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.num_kv_heads, self.scale = c.num_key_value_heads, self.head_dim ** -0.5
+        self.tap_layers = set(self.info.tap_layers)
+        with torch.inference_mode():  # [slots, D] each: HF's own rotary module, every position once
+            pos = torch.arange(self.slots, device=hf.device)[None]
+            dummy = torch.zeros(1, device=hf.device, dtype=self.embed.weight.dtype)
+            cos, sin = inner.rotary_emb(dummy, pos)
+        self.cos, self.sin = cos[0], sin[0]
+        self._verify = torch.compile(self._verify_core, dynamic=False) if compile else self._verify_core
+        self._chains: dict = {}
+
+    # ------------------------------------------------------------------ what the loop and drafters see
+
+    @property
+    def device(self) -> torch.device:
+        return self.hf.device
+
+    @property
+    def input_embeddings(self) -> torch.Tensor:
+        return self.hf.input_embeddings
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self.hf.lm_head  # [V, H], what a drafter shares
+
+    def with_taps(self, tap_layers: tuple[int, ...]) -> StaticTarget:
+        return StaticTarget(self.hf.with_taps(tap_layers), self.max_len, self.prefill_logits,
+                            self._verify is not self._verify_core, self.cuda_graphs)
+
+    # ------------------------------------------------------------------ the forward
+
+    def _layers(self, x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, attend, store):
+        """x [B, S, hidden] at positions pos [B, S]; mask [B, 1, S, W]. `store(i, k, v)` writes layer
+        i's new K/V [B, Hkv, S, D]; `attend(i, k, v)` returns the keys/values [B, Hkv, W, D] attended.
+        Returns (final hidden [B, S, hidden], taps [B, S, F])."""
+        B, S, _ = x.shape
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, S, D]
+        taps = []
+        for i, layer in enumerate(self.layers):
+            a, h = layer.self_attn, layer.input_layernorm(x)
+            q = a.q_proj(h).view(B, S, -1, self.head_dim)  # [B, S, H, D]
+            k = a.k_proj(h).view(B, S, -1, self.head_dim)  # [B, S, Hkv, D]
+            v = a.v_proj(h).view(B, S, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
+            if self.qk_norm:
+                q, k = a.q_norm(q), a.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            store(i, k, v)
+            kk, vv = attend(i, k, v)
+            o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=self.scale,
+                                               enable_gqa=kk.shape[1] != q.shape[1])  # [B, H, S, D]
+            x = x + a.o_proj(o.transpose(1, 2).reshape(B, S, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in self.tap_layers:
+                taps.append(x)
+        order = sorted(self.tap_layers)  # taps concatenate in info.tap_layers order
+        t = (torch.cat([taps[order.index(j)] for j in self.info.tap_layers], -1) if taps
+             else x.new_zeros(B, S, 0))
+        return x, t
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(x)).float()  # [B, S, V]
+
+    def _verify_core(self, ks: list, vs: list, ids: torch.Tensor, fill: torch.Tensor, anc: torch.Tensor,
+                     depth: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block: ids [B, S] at slots fill..fill+S-1, positions fill + depth [S]; slot i attends
+        the committed slots and the block slots anc [S, S] marks. Writes the pools; returns (logits, taps)."""
+        B, S = ids.shape
+        col = torch.arange(W, device=ids.device)[None, :]  # [1, W]
+        rel = col - fill[:, None]  # [B, W] slot relative to the block start
+        inblock = (rel >= 0) & (rel < S)
+        tree = anc[:, rel.clamp(0, S - 1)].permute(1, 0, 2) & inblock[:, None, :]  # [B, S, W]
+        mask = ((col < fill[:, None])[:, None, :] | tree)[:, None]  # [B, 1, S, W]
+        slot = fill[:, None] + torch.arange(S, device=ids.device)  # [B, S]
+        pos = fill[:, None] + depth[None, :]  # [B, S]
+        idx = slot[:, None, :, None].expand(B, self.num_kv_heads, S, self.head_dim)
+
+        def store(i, k, v):
+            ks[i].scatter_(2, idx, k.to(ks[i].dtype))
+            vs[i].scatter_(2, idx, v.to(vs[i].dtype))
+
+        x, taps = self._layers(self.embed(ids), pos, mask, lambda i, k, v: (ks[i][:, :, :W], vs[i][:, :, :W]), store)
+        return self._head(x), taps.float()
+
+    # ------------------------------------------------------------------ Target interface
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, prompt_lens: torch.Tensor) -> tuple[StaticCache, TargetOutput]:
+        B, T = input_ids.shape
+        if T > self.max_len:
+            raise UserError(f"prompt of {T} tokens exceeds the static KV pool of {self.max_len} positions; "
+                            f"shorten it or load the static target with a larger max_len")
+        ids, lens = input_ids.to(self.device), prompt_lens.to(self.device)
+        valid, pos = prompt_slots(lens, T)  # [B, T] each
+        dt = self.embed.weight.dtype
+        shape = (B, self.num_kv_heads, self.slots, self.head_dim)
+        cache = StaticCache(k=[torch.zeros(shape, dtype=dt, device=self.device) for _ in self.layers],
+                            v=[torch.zeros(shape, dtype=dt, device=self.device) for _ in self.layers],
+                            fill=lens.clone(), hi=int(lens.max()))
+        eye = torch.eye(T, dtype=torch.bool, device=self.device)
+        causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
+        mask = ((causal[None] & valid[:, None, :]) | eye)[:, None]  # [B, 1, T, T]; padding attends itself
+        slot = torch.where(valid, pos, self.slots - 1)  # padding goes to a slot never read before it is rewritten
+        idx = slot[:, None, :, None].expand(B, self.num_kv_heads, T, self.head_dim)
+
+        def store(i, k, v):
+            cache.k[i].scatter_(2, idx, k.to(dt))
+            cache.v[i].scatter_(2, idx, v.to(dt))
+
+        x, taps = self._layers(self.embed(ids), pos, mask, lambda i, k, v: (k, v), store)
+        logits = self._head(x if self.prefill_logits == "all" else x[:, -1:])  # [B, T or 1, V]
+        return cache, TargetOutput(logits=logits, taps=taps.float())
+
+    @torch.inference_mode()
+    def verify(self, cache: StaticCache, block_ids: torch.Tensor, parents: torch.Tensor | None = None) -> TargetOutput:
+        assert cache.pending == 0, "commit() the previous block before verifying the next"
+        S = block_ids.shape[1]
+        if S > BLOCK_HEADROOM:
+            raise UserError(f"block of {S} slots exceeds the static pool's headroom of {BLOCK_HEADROOM}; "
+                            f"use a block size of at most {BLOCK_HEADROOM}")
+        if parents is None:
+            anc, depth = self._chain(S)
+        else:
+            if parents.shape != (S,):
+                raise ValueError(f"parents needs one entry per block slot ({S}), got {list(parents.shape)}")
+            anc = tree_ancestors(parents.tolist(), self.device)  # [S, S]
+            depth = anc.sum(-1) - 1  # [S]
+        W = self.slots if self.fixed_window else min(self.slots, cache.hi + S)
+        ids = block_ids.to(self.device)
+        if self.cuda_graphs:
+            logits, taps = self._replay(cache, ids, anc, depth)
+        else:
+            logits, taps = self._verify(cache.k, cache.v, ids, cache.fill, anc, depth, W)
+        cache.pending = S
+        return TargetOutput(logits=logits, taps=taps)
+
+    @torch.inference_mode()
+    def commit(self, cache: StaticCache, num_kept: torch.Tensor, path: torch.Tensor | None = None) -> None:
+        S, num_kept = cache.pending, num_kept.to(self.device)
+        assert S > 0, "verify() a block before committing it"
+        if path is not None:  # the kept branch's K/V move to the block's first slots, in order
+            B = path.shape[0]
+            start = cache.fill[:, None] + torch.arange(S, device=self.device)  # [B, S]
+            src = (cache.fill[:, None] + path.to(self.device))[:, None, :, None].expand(
+                B, self.num_kv_heads, S, self.head_dim)
+            dst = start[:, None, :, None].expand_as(src)
+            for t in (*cache.k, *cache.v):
+                t.scatter_(2, dst, t.gather(2, src))
+        # a finished row the loop keeps verifying stays at max_len (its output is never read)
+        cache.fill = (cache.fill + num_kept).clamp(max=self.max_len)
+        cache.pending = 0
+        if not self.fixed_window:
+            cache.hi = int(cache.fill.max())
+
+    def _chain(self, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if S not in self._chains:  # [S, S] lower triangle, depths [S]
+            self._chains[S] = (torch.ones(S, S, dtype=torch.bool, device=self.device).tril(),
+                               torch.arange(S, device=self.device))
+        return self._chains[S]
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def _replay(self, cache: StaticCache, ids, anc, depth):
+        """Capture the verify of this (cache, shape) once, then replay it with new inputs copied into
+        its static buffers. A graph binds the pools' addresses, so each request's cache captures its
+        own graphs (per block size and chain/tree), kept on the cache."""
+        graphs = cache.__dict__.setdefault("graphs", {})
+        S = ids.shape[1]
+        g = graphs.get(S)
+        if g is None:
+            bufs = {"ids": ids.clone(), "fill": cache.fill.clone(), "anc": anc.clone(), "depth": depth.clone()}
+            args = lambda: (cache.k, cache.v, bufs["ids"], bufs["fill"], bufs["anc"], bufs["depth"],
+                            self.slots)
+            # warm up on a side stream (lazy inits), then capture; the warm-up's writes land in the
+            # block's own slots, which the capture and every replay rewrite before reading
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                self._verify_core(*args())
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self._verify_core(*args())
+            g = graphs[S] = (graph, bufs, out)
+        graph, bufs, out = g
+        bufs["ids"].copy_(ids)
+        bufs["fill"].copy_(cache.fill)
+        bufs["anc"].copy_(anc)
+        bufs["depth"].copy_(depth)
+        graph.replay()
+        return out[0].clone(), out[1].clone()  # the graph's outputs are overwritten by the next replay
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def static_target(target: HFTarget, **kwargs) -> StaticTarget:
+    """The static back end over a loaded eager target (same weights)."""
+    if isinstance(target, StaticTarget):
+        return target
+    return StaticTarget(target, **kwargs)

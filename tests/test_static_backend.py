@@ -1,0 +1,286 @@
+"""The static back end (backends/static.py) against the eager Hugging Face target it borrows weights
+from: the same forward within fp32 rounding, and the same decodes token for token."""
+
+import pytest
+import torch
+from conftest import assert_greedy_equivalent, chat_prompts
+from doubles import rounds, varied_drafter
+
+from dflow_trt.backends.static import BLOCK_HEADROOM, StaticTarget
+from dflow_trt.decoding.loop import generate
+from dflow_trt.decoding.options import DecodeOptions
+from dflow_trt.decoding.sampling import SamplingParams
+from dflow_trt.drafter.runtime import TorchDrafter
+from dflow_trt.errors import UserError
+
+FAMILIES = ("tiny_qwen3", "tiny_llama")
+
+
+def _close(a, b, what):
+    """fp32 rounding: a verify's sums differ from the eager path's in the last bits only."""
+    scale = max(1.0, float(b.abs().max()))
+    err = float((a - b).abs().max())
+    assert err <= 1e-5 * scale * 10, f"{what}: max |diff| {err:.3g} at scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forward_equals_hf(family, request):
+    """Ragged batched prefill (all positions), chain verifies with mixed commits, a tree verify
+    whose kept branch moves into place, and a chain after it: logits and taps as the eager target's."""
+    hf = request.getfixturevalue(family)
+    st = StaticTarget(hf, max_len=128, prefill_logits="all")
+    assert st.info.fingerprint == hf.info.fingerprint and st.info.tap_layers == hf.info.tap_layers
+    g = torch.Generator().manual_seed(0)
+    lens, T = torch.tensor([7, 12, 1]), 12
+    valid = torch.arange(T)[None] >= (T - lens)[:, None]  # [B, T]
+    ids = torch.randint(0, 250, (3, T), generator=g) * valid
+    with torch.inference_mode():
+        ch, oh = hf.prefill(ids, lens)
+        cs, os_ = st.prefill(ids, lens)
+        _close(os_.logits[valid], oh.logits[valid], "prefill logits")
+        _close(os_.taps[valid], oh.taps[valid], "prefill taps")
+        for S, kept in ((4, [1, 4, 2]), (16, [16, 3, 1]), (2, [2, 2, 1]), (4, [3, 1, 4])):
+            blk = torch.randint(0, 250, (3, S), generator=g)
+            a, b = hf.verify(ch, blk), st.verify(cs, blk)
+            _close(b.logits, a.logits, f"verify {S} logits")
+            _close(b.taps, a.taps, f"verify {S} taps")
+            hf.commit(ch, torch.tensor(kept))
+            st.commit(cs, torch.tensor(kept))
+        assert cs.fill.tolist() == ch.next_pos.tolist()
+        parents = torch.tensor([-1, 0, 0, 1, 2])
+        blk = torch.randint(0, 250, (3, 5), generator=g)
+        a, b = hf.verify(ch, blk, parents), st.verify(cs, blk, parents)
+        _close(b.logits, a.logits, "tree logits")
+        path = torch.tensor([[0, 2, 4, 1, 3], [0, 1, 3, 2, 4], [0, 1, 2, 3, 4]])
+        kept = torch.tensor([3, 3, 1])
+        hf.commit(ch, kept, path)
+        st.commit(cs, kept, path)
+        blk = torch.randint(0, 250, (3, 8), generator=g)
+        a, b = hf.verify(ch, blk), st.verify(cs, blk)
+        _close(b.logits, a.logits, "verify after a tree commit")
+    # and the loop's default: only the last prefill position's logits
+    with torch.inference_mode():
+        out = StaticTarget(hf, max_len=128).prefill(ids, lens)[1]
+    assert out.logits.shape == (3, 1, hf.info.vocab_size) and out.taps.shape[:2] == (3, T)
+    _close(out.logits[:, 0], oh.logits[:, -1], "last-position prefill logits")
+
+
+class PartialOracle:
+    """The target's own continuation (`sequences[b]`: prompt + reference) with every draft at an
+    absolute position p (p % 5 == 3) wrong: rounds accept some drafts and reject the rest, and full
+    blocks happen between the wrong ones. A row off the reference (a finished row the loop keeps
+    verifying: its cache is held at the pool's end) gets zeros."""
+
+    uses_flow = True
+
+    def __init__(self, sequences, block_size, alternatives=False):
+        self.sequences, self.block_size, self.alternatives = sequences, block_size, alternatives
+
+    def new_state(self, batch_size, generator=None, block_size=None):
+        return None
+
+    def draft(self, state, context_taps, context_lens, anchor_ids, anchor_pos, flow, sampler, verify_threshold=0.0):
+        from dflow_trt.decoding.interfaces import Proposal
+
+        K, rows, alts = self.block_size - 1, [], []
+        for b, p in enumerate(anchor_pos.tolist()):
+            seq = self.sequences[b]
+            right = seq[p + 1: p + 1 + K] if p < len(seq) and seq[p] == int(anchor_ids[b]) else []
+            nxt = [(t + 1) % 250 if (p + 1 + j) % 5 == 3 else t for j, t in enumerate(right)]
+            rows.append(nxt + [0] * (K - len(nxt)))
+            alts.append([(right or [0])[0], 1])  # with `alternatives`: the right first draft is the runner-up
+        prop = Proposal(draft_ids=torch.tensor(rows, dtype=torch.long), draft_probs=None)
+        if self.alternatives:
+            prop.alt_ids, prop.alt_conf = torch.tensor(alts), torch.full((len(alts), 2), 0.5)
+        return prop
+
+
+def _ar(target, prompts, max_new, stop=()):
+    """The eager target's ar decode (batched: equal to row by row, test_lossless)."""
+    return generate(target, None, prompts, DecodeOptions(mode="ar", max_new_tokens=max_new, stop_token_ids=stop)
+                    ).token_ids
+
+
+def _check(hf, prompts, want, got, max_new, stop=()):
+    for p, w, g in zip(prompts, want, got):
+        assert_greedy_equivalent(hf, p, g, w, stop, max_new)
+
+
+# (target, mode, block, drafter): every mode and block on tiny-qwen3, the drafting modes spot-checked on tiny-llama
+CASES = [("tiny_qwen3", m, S, "partial") for m in ("dflash", "dflow") for S in (2, 4, 16)] + [
+    ("tiny_qwen3", "dflow", 4, "varied"), ("tiny_qwen3", "dflash", 16, "varied"),
+    ("tiny_llama", "dflash", 4, "partial"), ("tiny_llama", "dflow", 16, "partial"), ("tiny_llama", "dflow", 2, "varied")]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_qwen3, tiny_llama):
+    """family -> (prompts of different lengths, the eager target's ar decode 16 tokens past MAX_NEW)."""
+    out = {}
+    for name, hf in (("tiny_qwen3", tiny_qwen3), ("tiny_llama", tiny_llama)):
+        prompts = [p[: 20 + 9 * i] for i, p in enumerate(chat_prompts(hf, 3))]
+        out[name] = prompts, _ar(hf, prompts, MAX_NEW + 16)
+    return out
+
+
+MAX_NEW = 24
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ar_equals_eager_ar(family, request, references):
+    hf = request.getfixturevalue(family)
+    prompts, ar_long = references[family]
+    res = generate(StaticTarget(hf, max_len=128), None, prompts,
+                   DecodeOptions(mode="ar", max_new_tokens=MAX_NEW, stop_token_ids=()))
+    _check(hf, prompts, [a[:MAX_NEW] for a in ar_long], res.token_ids, MAX_NEW)
+
+
+@pytest.mark.parametrize("family,mode,S,kind", CASES)
+def test_speculative_equals_ar(family, mode, S, kind, request, references):
+    """dflash/dflow on the static target, batched rows of different lengths, with drafters that
+    accept (partial and full blocks) and one that rejects nearly everything: the eager target's ar."""
+    hf = request.getfixturevalue(family)
+    prompts, ar_long = references[family]
+    d = (PartialOracle([p + a for p, a in zip(prompts, ar_long)], S) if kind == "partial"
+         else TorchDrafter(varied_drafter(hf, flow=mode == "dflow")))
+    res = generate(StaticTarget(hf, max_len=128), d, prompts,
+                   DecodeOptions(mode=mode, block_size=S, max_new_tokens=MAX_NEW, stop_token_ids=()))
+    _check(hf, prompts, [a[:MAX_NEW] for a in ar_long], res.token_ids, MAX_NEW)
+    seen = rounds(res.acceptance_lengths, S)  # the paths were taken
+    if kind == "partial":
+        # a wrong draft every 5 positions: full blocks up to S = 5, partial accepts from S = 3
+        assert (S > 5 or seen["full"] > 0) and (S == 2 or seen["partial"] > 0), seen
+    else:
+        assert seen["rejected"] > 0, seen
+
+
+def test_tree_verify_and_stop_mid_batch(tiny_qwen3):
+    """First-draft alternatives (a token tree, its kept branch moved into place) and a stop token one
+    row meets early while the others decode on: the eager target's ar, row by row."""
+    hf, st = tiny_qwen3, StaticTarget(tiny_qwen3, max_len=256)
+    prompts, max_new = chat_prompts(hf, 3), 24
+    ar_long = _ar(hf, prompts, max_new + 16)
+    stop = ar_long[1][5]  # row 1 stops at its 6th token at the latest
+    want = _ar(hf, prompts, max_new, stop=(stop,))
+    assert len(want[1]) <= 6 and max(map(len, want)) > 12, "the stop must end one row well before another"
+    d = PartialOracle([p + a for p, a in zip(prompts, ar_long)], 8, alternatives=True)
+    for alternatives in (0, 2):
+        res = generate(st, d, prompts, DecodeOptions(mode="dflow", block_size=8, max_new_tokens=max_new,
+                                                     stop_token_ids=(stop,), alternatives=alternatives))
+        _check(hf, prompts, want, res.token_ids, max_new, (stop,))
+        assert "stop" in res.finish_reasons
+    assert res.alternatives_taken > 0, "no round kept a tree branch: the tree commit went untested"
+
+
+def test_decode_to_the_pool_end(tiny_llama):
+    """A decode that fills the pool exactly (prompt + max new = max_len, block 16, finished rows held
+    at the end) runs and equals ar; one more token is refused before anything runs."""
+    hf = tiny_llama
+    prompts = [p[:30 + 10 * i] for i, p in enumerate(chat_prompts(hf, 2))]
+    max_new = 40
+    st = StaticTarget(hf, max_len=max(map(len, prompts)) + max_new)
+    ar_long = _ar(hf, prompts, max_new + 16)
+    want = [a[:max_new] for a in ar_long]
+    d = PartialOracle([p + a for p, a in zip(prompts, ar_long)], 16)
+    res = generate(st, d, prompts, DecodeOptions(mode="dflow", max_new_tokens=max_new, stop_token_ids=()))
+    _check(hf, prompts, want, res.token_ids, max_new)
+    with pytest.raises(UserError, match="context of"):
+        generate(st, d, prompts, DecodeOptions(mode="dflow", max_new_tokens=max_new + 1, stop_token_ids=()))
+    with pytest.raises(UserError, match="static KV pool"):
+        st.prefill(torch.zeros(1, st.max_len + 1, dtype=torch.long), torch.tensor([st.max_len + 1]))
+    with pytest.raises(UserError, match="headroom"):
+        cache, _ = st.prefill(torch.ones(1, 4, dtype=torch.long), torch.tensor([4]))
+        st.verify(cache, torch.ones(1, BLOCK_HEADROOM + 1, dtype=torch.long))
+
+
+def test_cuda_graphs_equal_eager_static(tiny_qwen3):
+    """Replayed graphs (one per block size, trees through the same graph) give the eager static
+    forward's decodes: greedy with alternatives (trees) and the ar path. DFLOW_TRT_TEST_DEVICE=cuda only."""
+    if tiny_qwen3.device.type != "cuda":
+        pytest.skip("CUDA graphs need the targets on a GPU (DFLOW_TRT_TEST_DEVICE=cuda)")
+    hf = tiny_qwen3
+    prompts = chat_prompts(hf, 3)
+    ar_long = _ar(hf, prompts, 40)
+    d = PartialOracle([p + a for p, a in zip(prompts, ar_long)], 8, alternatives=True)
+    for mode, drafter, alts in (("ar", None, 0), ("dflow", d, 2)):
+        o = DecodeOptions(mode=mode, block_size=8 if drafter else None, max_new_tokens=24, stop_token_ids=(),
+                          alternatives=alts)
+        a = generate(StaticTarget(hf, max_len=128), drafter, prompts, o)
+        b = generate(StaticTarget(hf, max_len=128, cuda_graphs=True), drafter, prompts, o)
+        assert a.token_ids == b.token_ids, mode
+
+
+def test_sampled_decode_equals_hf_same_seed(tiny_qwen3):
+    """Sampling draws from the same distributions with the same generator: the same tokens."""
+    hf, st = tiny_qwen3, StaticTarget(tiny_qwen3, max_len=256)
+    prompts = chat_prompts(hf, 2)
+    d = TorchDrafter(varied_drafter(hf, flow=True))
+    for mode, drafter in (("ar", None), ("dflow", d)):
+        o = DecodeOptions(mode=mode, block_size=4 if drafter else None, max_new_tokens=16, stop_token_ids=(),
+                          sampling=SamplingParams(temperature=1.0, seed=7))
+        a, b = generate(hf, drafter, prompts, o), generate(st, drafter, prompts, o)
+        assert a.token_ids == b.token_ids, mode
+        assert a.acceptance_lengths == b.acceptance_lengths
+
+
+def test_refusals(tiny_qwen3):
+    if tiny_qwen3.device.type != "cuda":
+        with pytest.raises(UserError, match="CUDA graphs need a CUDA target"):
+            StaticTarget(tiny_qwen3, cuda_graphs=True)
+    with pytest.raises(UserError, match="exceeds the target's context"):
+        StaticTarget(tiny_qwen3, max_len=10**6)
+
+
+def test_loader_gives_static_targets():
+    from dflow_trt.loading import BACKENDS, load_modes
+
+    assert "static" in BACKENDS
+    models = load_modes("tiny-qwen3", "static", modes=("ar", "dflow"), log=lambda m: None)
+    assert all(isinstance(m.target, StaticTarget) for m in models.values())
+    assert isinstance(models["dflow"].drafter, TorchDrafter)
+    assert models["dflow"].drafter.config.tap_layers == models["dflow"].target.info.tap_layers
+    # a drafter builds against a static target as against the eager one (shared embeddings and head)
+    from dflow_trt.drafter.defaults import untrained_config
+    from dflow_trt.drafter.io import build_drafter
+
+    st = models["dflow"].target
+    d = build_drafter(st, untrained_config(st, flow=True, block_size=4))
+    assert d.embed_weight.data_ptr() == st.model.get_input_embeddings().weight.data_ptr()
+
+
+def test_bench_static_smoke(tmp_path, capsys):
+    """`dflow-trt bench static` end to end on the few-MB random target (the GPU script's path, on a
+    CPU): a report whose back ends decode the same tokens; graphs on a CPU refused in one line."""
+    import json
+
+    from test_cli_bad_input import refused
+
+    from dflow_trt.cli import main
+
+    n = torch.get_num_threads()
+    out = tmp_path / "static.json"
+    try:
+        rc = main(["bench", "static", "--size", "smoke", "--context", "32", "--repeats", "1", "--new-tokens", "4",
+                   "--threads", "1", "--json-out", str(out)])
+    finally:
+        torch.set_num_threads(n)
+    assert rc == 0, capsys.readouterr()
+    r = json.loads(out.read_text())
+    assert [row["backend"] for row in r["rows"]] == ["eager", "static"] and "machine" in r
+    assert all(g["same_tokens_as_eager"] for g in r["generate"]) and len(r["generate"]) == 4
+    refused(capsys, ["bench", "static", "--size", "smoke", "--cuda-graphs", "--json-out", tmp_path / "g.json"],
+            "--cuda-graphs needs --device cuda")
+
+
+def test_generate_cli_backend_static_equals_torch(capsys):
+    """`dflow-trt generate --backend static` gives `--backend torch`'s tokens."""
+    import json
+
+    from dflow_trt.cli import main
+
+    got = {}
+    for backend in ("torch", "static"):
+        assert main(["generate", "--target", "tiny-qwen3", "--mode", "dflow", "--prompt", "hello world",
+                     "--max-new-tokens", "12", "--block-size", "4", "--json", "--backend", backend]) == 0
+        got[backend] = json.loads(capsys.readouterr().out)
+    assert got["static"]["backend"] == "static"
+    assert got["static"]["token_ids"] == got["torch"]["token_ids"] and len(got["torch"]["token_ids"]) == 12
