@@ -199,7 +199,7 @@ def measure(overrides: dict | None = None, *, steps: int = 8, warmup: int = 2, t
            "step_s": statistics.median(times), "blocks_per_s": blocks * steps / total,
            "trained_blocks_per_s": trained * steps / total, "tokens_per_s": trained * (S - 1) * steps / total,
            "compute_dtype": str(dtype).replace("torch.", ""), "native_bf16": native_bf16(),
-           "loss_last": float(loss)}
+           "loss_last": loss.item()}
     if flops_per_step is not None:
         res.update(flops_per_step=flops_per_step, achieved_flops=flops_per_step * steps / total)
     if peak:
