@@ -206,25 +206,44 @@ def block_loss_reference(model: DFlowDrafter, logits: torch.Tensor, labels: torc
 
 def verifier_flow(target: HFTarget, kv: DynamicCache, batch: Batch, anchors: torch.Tensor,
                   drafts: torch.Tensor, labels: torch.Tensor) -> tuple[FlowState, torch.Tensor]:
-    """Run [x_L, d_1..d_{S-1}] through the target for every block at once.
+    """Verify [x_L, d_1..d_{S-1}] with the target for every block at once.
 
     Returns the flow the next round sees (over [N*nb, S]) and the accepted count a [N, nb].
+    Only the rows the flow reads run: slots a+1..S-1 (the rejected draft and what follows). Slots
+    0..a hold the data's own tokens (the anchor and the accepted drafts), whose K/V the prefix
+    cache `kv` already holds, teacher-forced, at positions L..L+a: the run rows attend to those,
+    so nothing the cached states hold is computed again, and the LM head runs on run rows only.
     """
     N, T = batch.ids.shape
     nb, S = anchors.shape[1], drafts.shape[-1] + 1
     block = torch.cat([batch.ids.gather(1, anchors.clamp(max=T - 1))[..., None], drafts], -1)  # [N, nb, S]
-    pos = (anchors[..., None] + torch.arange(S)).flatten(1)  # [N, Q]
-    L = anchors.repeat_interleave(S, 1)
-    ctx = (torch.arange(T)[None, None, :] < L[..., None]) & (torch.arange(T)[None, None, :] < batch.lens[:, None, None])
-    blk, j = torch.arange(nb).repeat_interleave(S), torch.arange(S).repeat(nb)
-    causal = ((blk[:, None] == blk[None, :]) & (j[None, :] <= j[:, None])).expand(N, -1, -1)
-    mask = torch.cat([ctx, causal], -1)[:, None]  # [N, 1, Q, T+Q]
-    with torch.no_grad():
-        out = target.model.model(input_ids=block.flatten(1), attention_mask=mask, position_ids=pos,
-                                 past_key_values=kv, use_cache=True, output_hidden_states=True)
-        kv.crop(-nb * S)  # the prefix cache serves the next step's blocks unchanged
-        target_ids = target.model.lm_head(out.last_hidden_state).argmax(-1)  # [N, Q]
-    taps = torch.cat([out.hidden_states[i + 1] for i in target.info.tap_layers], -1)  # [N, Q, F]
     accepted = (drafts == labels).long().cumprod(-1).sum(-1)  # [N, nb]
+    run = (torch.arange(S) > accepted[..., None]).flatten(1)  # [N, nb*S] rows to verify
+    count = run.sum(1)  # [N]
+    R = int(count.max())
+    taps = torch.zeros(N, nb * S, _tap_width(target), dtype=target.model.dtype)  # [N, nb*S, F]; rows 0..a stay 0: unread
+    target_ids = torch.zeros(N, nb * S, dtype=torch.long)
+    if R:
+        idx = torch.sort((~run).to(torch.int8), dim=1, stable=True).indices[:, :R]  # [N, R] run rows first, in order
+        pad = torch.arange(R) >= count[:, None]  # [N, R] rows beyond this sequence's count
+        b, j = idx // S, idx % S  # block and slot of each row
+        L, a = anchors.gather(1, b), accepted.gather(1, b)  # [N, R]
+        t = torch.arange(T)[None, None, :]
+        ctx = t < (L + a + 1)[..., None]  # [N, R, T]: the prefix through the accepted slots (data, cached)
+        own = (b[:, :, None] == b[:, None, :]) & (j[:, None, :] <= j[:, :, None]) & ~pad[:, None, :]  # [N, R, R]
+        mask = torch.cat([ctx, own], -1)[:, None]  # [N, 1, R, T+R]
+        with torch.no_grad():
+            out = target.model.model(input_ids=block.flatten(1).gather(1, idx), attention_mask=mask,
+                                     position_ids=L + j, past_key_values=kv, use_cache=True, output_hidden_states=True)
+            kv.crop(-R)  # the prefix cache serves the next step's blocks unchanged
+            keep = (~pad)[..., None]
+            tap_r = torch.cat([out.hidden_states[i + 1] for i in target.info.tap_layers], -1) * keep  # [N, R, F]
+            ids_r = target.model.lm_head(out.last_hidden_state).argmax(-1) * keep[..., 0]  # [N, R]
+        taps = taps.to(tap_r.dtype).scatter(1, idx[..., None].expand(-1, -1, tap_r.shape[-1]), tap_r)
+        target_ids = target_ids.scatter(1, idx, ids_r)
     flow = carry_flow(block.view(N * nb, S), taps.view(N * nb, S, -1), target_ids.view(N * nb, S), accepted.flatten())
     return flow, accepted
+
+
+def _tap_width(target: HFTarget) -> int:
+    return len(target.info.tap_layers) * target.model.config.hidden_size
