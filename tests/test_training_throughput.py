@@ -17,8 +17,15 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from test_training_matches_inference import (  # noqa: F401
+    S,
+    _anchors,
+    _batch,
+    _drafter,
+    _objective,
+    seqs,
+)
 
-from test_training_matches_inference import S, _anchors, _batch, _drafter, _objective, seqs  # noqa: F401
 from dflow_trt.errors import UserError
 from dflow_trt.training import objective, throughput
 from dflow_trt.training.trainer import Objective, TrainConfig, compute_dtype
@@ -108,12 +115,12 @@ def test_bf16_autocast_runs_and_stays_close(tiny_qwen3, seqs, kind):  # noqa: F8
         mod = _trainer_module()
         blocks = mod.drafter_blocks
         with pytest.MonkeyPatch.context() as p:
-            p.setattr(mod, "drafter_blocks", lambda *a: (dtypes.append((r := blocks(*a)).dtype), r)[1])
+            p.setattr(mod, "drafter_blocks", lambda *a, d=dtypes, f=blocks: (d.append((r := f(*a)).dtype), r)[1])
             out[prec] = _loss_and_grads(obj, batch, anchors, reference=False)[:2]
         assert set(dtypes) == {obj.compute_dtype}
     (l32, g32), (l16, g16) = out["fp32"], out["bf16"]
     assert l16 == pytest.approx(l32, rel=3e-2)
-    cos = lambda a, b: float(F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))  # noqa: E731
+    cos = lambda a, b: float(F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
     # each weight's gradient points the same way (DFlow's bf16 drafts may flip a near-tied argmax,
     # moving a second-round block: a looser bound per weight, a tight one for the whole step)
     for n, g in g32.items():

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import random
 import statistics
 import sys
@@ -91,9 +90,9 @@ def synthetic_data(target, out: Path, num_seqs: int = 32, seed: int = 0, max_len
                    kv: bool = True) -> Path:
     """A data set of `num_seqs` seeded token sequences in the trainer's format, and its state cache
     (built once; reused when `out` already holds it)."""
+    from ..targets.hf_target import tokenizer_fingerprint
     from .data import load_dataset
     from .states import DIRNAME, build_states
-    from ..targets.hf_target import tokenizer_fingerprint
 
     out = Path(out)
     if not (out / DIRNAME / "manifest.json").is_file():
@@ -121,20 +120,23 @@ def _config(overrides: dict):
 
 
 def measure(overrides: dict | None = None, *, steps: int = 8, warmup: int = 2, threads: int | None = None,
-            data_dir: str | Path | None = None, peak: bool = True, flops: bool = True) -> dict:
+            data_dir: str | Path | None = None, drafter: str | Path | None = None, peak: bool = True,
+            flops: bool = True) -> dict:
     """Time `steps` trainer steps (after `warmup`) of TrainConfig(SHIPPED + overrides).
 
     Returns blocks_per_s, trained_blocks_per_s, tokens_per_s, step_s (median), flops_per_step,
     achieved_flops (per second), peak_flops (this machine's matmul best in the trainer's dtype),
     fraction, and the settings. `data_dir`: a data set with a state cache (default: a synthetic
-    one in a temporary folder).
+    one in a temporary folder). `drafter`: start from a saved drafter's weights (a trained one
+    accepts more drafts, which DFlow's self-conditioning pass skips; sizes come from it).
     """
+    from ..drafter.io import build_drafter, load_drafter
+    from ..targets import load_target
     from .data import load_dataset
     from .states import StateCache
     from .trainer import Objective, _collate, _fits, untrained_config
-    from ..drafter.io import build_drafter
-    from ..targets import load_target
 
+    drafter_path, synthetic = drafter, not data_dir
     if steps < 1 or warmup < 0:
         raise UserError(f"--steps must be >= 1 and --warmup >= 0, got {steps} and {warmup}")
     cfg = _config(overrides or {})
@@ -145,28 +147,34 @@ def measure(overrides: dict | None = None, *, steps: int = 8, warmup: int = 2, t
     with tempfile.TemporaryDirectory(prefix="dflow-throughput-") as tmp:
         data = Path(data_dir) if data_dir else Path(tmp) / "data"
         if not (data / "manifest.json").is_file():  # a new folder: the synthetic data set, kept there
-            data = synthetic_data(target, data, max_len=cfg.max_len)
+            data, synthetic = synthetic_data(target, data, max_len=cfg.max_len), True
         train_seqs, _ = (_fits(x, cfg.max_len) for x in load_dataset(data, target))
         why = StateCache.usable(data, target, cfg.max_len, need_kv)
         if why is not None:
             raise UserError(f"{data} has no usable state cache ({why}); run `dflow-trt cache-states` on it")
         cache = StateCache(data, target, need_kv)
-        dcfg = untrained_config(target, flow=need_kv, block_size=cfg.block_size, num_layers=cfg.num_layers)
-        dcfg = dataclasses.replace(dcfg, draft_vocab_size=cfg.draft_vocab_size)
-        drafter = build_drafter(target, dcfg, seed=cfg.seed)
+        if drafter is not None:
+            drafter = load_drafter(drafter, target)
+            if drafter.config.flow != need_kv or drafter.config.block_size != cfg.block_size:
+                raise UserError(f"--drafter is a {'dflow' if drafter.config.flow else 'dflash'} drafter of block size "
+                                f"{drafter.config.block_size}; the run is {cfg.objective} with block size {cfg.block_size}")
+        else:
+            dcfg = untrained_config(target, flow=need_kv, block_size=cfg.block_size, num_layers=cfg.num_layers)
+            drafter = build_drafter(target, dataclasses.replace(dcfg, draft_vocab_size=cfg.draft_vocab_size),
+                                    seed=cfg.seed)
         obj = Objective(drafter, target, cfg, cache)
         params = [p for p in drafter.parameters() if p.requires_grad]
         try:  # the trainer's own optimizer where it has one (older trainers built it inline)
             from .trainer import adamw
         except ImportError:
-            adamw = lambda groups, c: torch.optim.AdamW(groups, lr=c.lr, weight_decay=c.weight_decay,  # noqa: E731
+            adamw = lambda groups, c: torch.optim.AdamW(groups, lr=c.lr, weight_decay=c.weight_decay,
                                                         betas=(0.9, 0.95))
         opt = adamw([{"params": params}], cfg)
         rng, gen = random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed)
 
         def step():
             batch = _collate(rng.sample(train_seqs, min(cfg.seqs_per_step, len(train_seqs))), cfg.max_len)
-            loss, first, second = obj(batch, gen)
+            loss, _, _ = obj(batch, gen)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -193,7 +201,8 @@ def measure(overrides: dict | None = None, *, steps: int = 8, warmup: int = 2, t
     trained = blocks + (N * min(cfg.flow_anchors_per_seq or nb, nb) if need_kv else 0)
     total = sum(times)
     dtype = getattr(obj, "compute_dtype", torch.float32)
-    res = {"objective": cfg.objective, "config": {k: getattr(cfg, k) for k in SHIPPED | (overrides or {})
+    res = {"objective": cfg.objective, "drafter": str(drafter_path) if drafter_path else "untrained",
+           "data": "synthetic" if synthetic else str(data), "config": {k: getattr(cfg, k) for k in SHIPPED | (overrides or {})
                                                   if hasattr(cfg, k)},
            "threads": torch.get_num_threads(), "steps": steps, "seq_len_median": statistics.median(T),
            "step_s": statistics.median(times), "blocks_per_s": blocks * steps / total,
@@ -214,7 +223,7 @@ def measure(overrides: dict | None = None, *, steps: int = 8, warmup: int = 2, t
 
 def _row(r: dict) -> str:
     frac = f"{100 * r['fraction']:6.1f}%" if "fraction" in r else "      -"
-    g = lambda k, s=1e9: f"{r[k] / s:8.1f}" if r.get(k) is not None else "       -"  # noqa: E731
+    g = lambda k, s=1e9: f"{r[k] / s:8.1f}" if r.get(k) is not None else "       -"
     return (f"{r['objective']:7s} {r['blocks_per_s']:9.1f} {r['trained_blocks_per_s']:9.1f} {r['tokens_per_s']:9.0f} "
             f"{r['step_s']:7.3f} {g('achieved_flops')} {g('peak_flops')} "
             f"{frac} {r['compute_dtype']}")
@@ -227,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--data-dir", help="a data set with a state cache, or a new folder to keep the synthetic one in (default: a temporary folder)")
+    p.add_argument("--drafter", help="start from this saved drafter's weights (default: an untrained one)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="TrainConfig overrides, e.g. seqs_per_step=4 anchors_per_seq=64 (JSON values)")
     p.add_argument("--no-peak", action="store_true", help="skip the matmul microbenchmark")
@@ -243,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError:
                 overrides[k] = v
         rows = [measure({**overrides, "objective": o}, steps=a.steps, warmup=a.warmup, threads=a.threads or None,
-                        data_dir=a.data_dir, peak=not a.no_peak) for o in a.objective]
+                        data_dir=a.data_dir, drafter=a.drafter, peak=not a.no_peak) for o in a.objective]
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
