@@ -32,7 +32,8 @@ from ..errors import UserError
 from ..targets import load_target
 from ..targets.hf_target import HFTarget
 from .data import Sequence, load_dataset
-from .objective import Batch, _labels, block_loss, drafter_blocks, sample_anchors, target_states, verifier_flow
+from .objective import (Batch, _labels, block_loss, drafter_blocks, drafter_context, sample_anchors, target_states,
+                        verifier_flow)
 from .states import StateCache
 
 
@@ -63,6 +64,7 @@ class TrainConfig:
     seed: int = 0
     threads: int = 0  # 0: leave torch's default
     states: str = "auto"  # auto: read <data_dir>/states when it fits this run (`dflow-trt cache-states`); off
+    precision: str = "auto"  # the drafter's passes: auto (bf16 autocast where the CPU/GPU has native bf16, else fp32) | fp32 | bf16
     init_from: str = ""  # a saved drafter to fine-tune (or a DFlash one to start a DFlow run): its weights and log; steps count on from its last step
 
     # each number's range, (least, most, least excluded): checked for flags and --config files alike,
@@ -96,6 +98,8 @@ class TrainConfig:
         self._check_types_and_ranges()
         if self.objective not in ("dflash", "dflow"):
             raise UserError(f"unknown objective {self.objective!r}; use dflash or dflow")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise UserError(f"unknown precision {self.precision!r}; use auto, fp32 or bf16")
         if self.states not in ("auto", "off"):
             raise UserError(f"unknown states setting {self.states!r}; use auto or off")
         if self.flow_lr_mult != 1.0 and self.objective != "dflow":
@@ -123,6 +127,7 @@ class Objective(nn.Module):
         super().__init__()
         self.drafter, self.target, self.cfg, self.cache = drafter, target, cfg, cache
         self.register_buffer("to_draft", _to_draft(drafter, target.info.vocab_size), persistent=False)
+        self.compute_dtype = compute_dtype(getattr(cfg, "precision", "fp32"))
 
     def forward(self, batch: Batch, gen: torch.Generator):
         """-> (loss, stats of the first prediction, stats of the flow-conditioned one or None)."""
@@ -131,18 +136,39 @@ class Objective(nn.Module):
         taps, kv = target_states(self.target, batch, keep_cache=dflow, cache=self.cache)
         anchors = sample_anchors(batch, c.anchors_per_seq, c.block_size, gen)  # [N, nb]
         labels = _labels(batch, anchors, c.block_size)
-        logits = drafter_blocks(m, taps, batch, anchors, None)
+        with self._autocast():
+            ctx = drafter_context(m, taps)  # context K/V and head: once per step, both rounds read them
+            logits = drafter_blocks(m, ctx, batch, anchors, None)
         first = block_loss(m, logits, labels, c.gamma, self.to_draft)
         if not dflow:
             return first.loss, first, None
         k = c.flow_anchors_per_seq or anchors.shape[1]  # anchors are random: the first k are a random subset
         anchors, labels = anchors[:, :k], labels[:, :k]
-        drafts = m.draft_vocab[logits[:, :k].argmax(-1)]  # [N, k, S-1] what the drafter would propose
+        pred = first.pred if first.pred is not None else logits.argmax(-1)
+        drafts = m.draft_vocab[pred[:, :k]]  # [N, k, S-1] what the drafter would propose
         flow, accepted = verifier_flow(self.target, kv, batch, anchors, drafts, labels)
         anchors2 = anchors + accepted + 1  # the next round's block starts after the bonus token
         labels2 = _labels(batch, anchors2, c.block_size)
-        second = block_loss(m, drafter_blocks(m, taps, batch, anchors2, flow), labels2, c.gamma, self.to_draft)
+        with self._autocast():
+            logits2 = drafter_blocks(m, ctx, batch, anchors2, flow)
+        second = block_loss(m, logits2, labels2, c.gamma, self.to_draft)
         return first.loss + second.loss, first, second
+
+    def _autocast(self):
+        """bf16 autocast of the drafter's passes where `compute_dtype` is bf16, else nothing."""
+        on = self.compute_dtype == torch.bfloat16
+        return torch.autocast(self.to_draft.device.type, dtype=torch.bfloat16, enabled=on)
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The drafter's training dtype: bf16 autocast only where the CPU (or any GPU) multiplies bf16
+    natively; on an AVX2-only CPU bf16 is emulated, slower than fp32, so `auto` keeps fp32 there."""
+    if precision == "auto":
+        from .throughput import native_bf16
+
+        fast = torch.cuda.is_available() and torch.cuda.is_bf16_supported() or native_bf16()
+        return torch.bfloat16 if fast else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
 
 
 def _draft_vocab(train: list[Sequence], size: int | None, vocab: int, always: tuple[int, ...]) -> torch.Tensor:
@@ -214,9 +240,19 @@ def _param_groups(drafter: DFlowDrafter, params: list[nn.Parameter], cfg: TrainC
             [1.0, cfg.flow_lr_mult])
 
 
+def adamw(groups: list[dict], cfg: TrainConfig) -> torch.optim.AdamW:
+    """The trainer's AdamW, fused (one kernel per step over all weights, the same update up to
+    rounding): the for-each-tensor default spends a 2-core CPU step's tenth on seven elementwise
+    passes over every weight."""
+    ps = [p for g in groups for p in g["params"]]
+    fused = all(p.dtype in (torch.float32, torch.float64) and p.device.type in ("cpu", "cuda") for p in ps)
+    return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95), fused=fused)
+
+
 def _run_identity(cfg: dict) -> dict:
     """Settings a resumed run must share (steps may grow; logging cadence may change)."""
-    cfg = {**cfg, "flow_lr_mult": cfg.get("flow_lr_mult", 1.0)}  # checkpoints from before the field existed
+    cfg = {**cfg, "flow_lr_mult": cfg.get("flow_lr_mult", 1.0),  # checkpoints from before the fields existed
+           "precision": cfg.get("precision", "auto")}
     return {k: v for k, v in cfg.items() if k not in ("steps", "eval_every", "ckpt_every", "threads", "eval_seqs", "states")}
 
 
@@ -367,7 +403,7 @@ def train(cfg: TrainConfig) -> Path:
     obj = Objective(drafter, probe, cfg, _state_cache(cfg, probe, train_seqs + heldout, rank)).to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     groups, lr_mults = _param_groups(drafter, params, cfg)
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    opt = adamw(groups, cfg)
     rng = random.Random(cfg.seed * 1000 + rank)  # which sequences each step trains on
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + rank)  # where the anchors fall
     if ck is not None:
