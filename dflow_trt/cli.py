@@ -175,7 +175,7 @@ def cmd_bench_training(a: argparse.Namespace) -> int:
 
     check_output(a.json_out, "throughput report (--json-out)")
     return bench.run(list(dict.fromkeys(a.objective)), a.steps, a.warmup, a.threads, a.data_dir,
-                     bench.parse_overrides(a.set), not a.no_peak, a.json_out)
+                     bench.parse_overrides(a.set), not a.no_peak, a.json_out, a.drafter)
 
 
 def cmd_bench_training_tau(a: argparse.Namespace) -> int:
@@ -406,6 +406,8 @@ def _add_bench(sub) -> None:
                                                     "synthetic one in (default: a temporary folder)")
     t.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="TrainConfig fields over the shipped drafters' settings, e.g. seqs_per_step=4 (JSON values)")
+    t.add_argument("--drafter", default=None, help="start from this saved drafter (realistic acceptance for "
+                                                   "DFlow's self-conditioning pass; default: an untrained one)")
     t.add_argument("--no-peak", action="store_true", help="skip the matmul microbenchmark")
     json_out(t, None)
 

@@ -3,8 +3,6 @@ writes a JSON report with its keys and the machine it ran on; bad flags end in o
 exit 2 before any work. (Decode's own report is checked in test_cli.py.)"""
 
 import json
-import sys
-import types
 
 import pytest
 import torch
@@ -114,35 +112,6 @@ def test_training_tau(capsys, tmp_path):
     refused(capsys, ["bench", "training-tau", run, "--plot-out", tmp_path / "bad.png"], "train_log.jsonl:2")
     refused(capsys, ["bench", "training-tau", tmp_path, "--plot-out", tmp_path / "bad.png"], "no train_log.jsonl")
     assert not (tmp_path / "bad.png").exists()
-
-
-def test_training_calls_the_trainers_measure(capsys, tmp_path, monkeypatch):
-    """`bench training` times through `dflow_trt.training.throughput.measure`, once per objective."""
-    seen = []
-
-    def measure(overrides, **kw):
-        seen.append((overrides, kw))
-        return {"objective": overrides["objective"], "blocks_per_s": 12.5, "trained_blocks_per_s": 25.0,
-                "tokens_per_s": 375.0, "step_s": 2.5, "compute_dtype": "float32"}
-
-    fake = types.ModuleType("dflow_trt.training.throughput")
-    fake.measure = measure
-    monkeypatch.setitem(sys.modules, "dflow_trt.training.throughput", fake)
-    out = tmp_path / "train.json"
-    stdout = bench(capsys, "training", "--objective", "dflash", "dflow", "--steps", "3", "--warmup", "0", "--no-peak",
-                   "--set", 'target="tiny-qwen3"', "block_size=4", "--json-out", out)
-    assert [o for o, _ in seen] == [{"target": "tiny-qwen3", "block_size": 4, "objective": m}
-                                    for m in ("dflash", "dflow")]
-    assert seen[0][1] == {"steps": 3, "warmup": 0, "threads": None, "data_dir": None, "peak": False}
-    rep = read(out)
-    assert [r["objective"] for r in rep["results"]] == ["dflash", "dflow"] and rep["results"][0]["blocks_per_s"] == 12.5
-    assert isinstance(rep["cpu_flags_bf16"], bool) and "375" in stdout
-    refused(capsys, ["bench", "training", "--set", "block_size"], "--set takes KEY=VALUE")
-
-
-def test_training_without_the_measurement(capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "dflow_trt.training.throughput", None)  # its import fails, as if absent
-    refused(capsys, ["bench", "training"], "dflow_trt.training.throughput")
 
 
 @pytest.mark.parametrize("argv,needles", [

@@ -142,15 +142,18 @@ def test_auto_precision_follows_the_cpu_flags(monkeypatch):
 
 
 def test_benchmark_measures_and_writes_json(tiny_qwen3, tmp_path, capsys):
-    """`python -m dflow_trt.training.throughput` on tiny-qwen3: one step per objective, a table,
-    a JSON of positive rates and FLOPs (the step does matmuls, the microbenchmark finds some)."""
+    """`dflow-trt bench training` on tiny-qwen3: one step per objective, a table, a JSON of
+    positive rates and FLOPs (the step does matmuls, the microbenchmark finds some)."""
+    from dflow_trt.cli import main
+
     out = tmp_path / "bench.json"
     sets = ["target=\"tiny-qwen3\"", "block_size=4", "anchors_per_seq=4", "draft_vocab_size=64", "threads=1"]
-    rc = throughput.main(["--steps", "1", "--warmup", "0", "--threads", "1", "--data-dir", str(tmp_path / "data"),
-                          "--out", str(out), "--set", *sets])
+    rc = main(["bench", "training", "--steps", "1", "--warmup", "0", "--threads", "1", "--data-dir",
+               str(tmp_path / "data"), "--json-out", str(out), "--set", *sets])
     assert rc == 0
-    res = json.loads(out.read_text())["results"]
-    assert [r["objective"] for r in res] == ["dflash", "dflow"]
+    rep = json.loads(out.read_text())
+    res = rep["results"]
+    assert [r["objective"] for r in res] == ["dflash", "dflow"] and isinstance(rep["cpu_flags_bf16"], bool)
     for r in res:
         assert r["blocks_per_s"] > 0 and r["tokens_per_s"] == pytest.approx(r["trained_blocks_per_s"] * 3)
         assert r["flops_per_step"] > 0 and r["peak_flops"] > 0 and r["fraction"] > 0
@@ -158,5 +161,5 @@ def test_benchmark_measures_and_writes_json(tiny_qwen3, tmp_path, capsys):
     assert res[1]["trained_blocks_per_s"] == pytest.approx(2 * res[1]["blocks_per_s"])  # DFlow's second round
     assert res[1]["flops_per_step"] > res[0]["flops_per_step"]  # plus the target's self-conditioning pass
     assert "blocks/s" in capsys.readouterr().out
-    assert throughput.main(["--set", "oops"]) == 2
-    assert "error: --set takes KEY=VALUE" in capsys.readouterr().err
+    assert main(["bench", "training", "--set", "oops"]) == 2
+    assert "--set takes KEY=VALUE" in capsys.readouterr().err

@@ -12,18 +12,8 @@ import json
 import time
 
 from ..errors import UserError
+from ..training.throughput import measure
 from . import report
-
-
-def _measure():
-    try:
-        from ..training.throughput import measure
-    except ModuleNotFoundError as e:
-        if e.name != "dflow_trt.training.throughput":
-            raise
-        raise UserError("this install has no trainer throughput measurement (dflow_trt.training.throughput); "
-                        "update dflow_trt") from None
-    return measure
 
 
 def parse_overrides(pairs: list[str]) -> dict:
@@ -43,10 +33,9 @@ def parse_overrides(pairs: list[str]) -> dict:
 
 def run(objectives=("dflash", "dflow"), steps: int = 8, warmup: int = 2, threads: int | None = None,
         data_dir: str | None = None, overrides: dict | None = None, peak: bool = True,
-        json_out: str | None = None) -> int:
-    measure = _measure()
+        json_out: str | None = None, drafter: str | None = None) -> int:
     rows = [measure({**(overrides or {}), "objective": o}, steps=steps, warmup=warmup, threads=threads,
-                    data_dir=data_dir, peak=peak) for o in objectives]
+                    data_dir=data_dir, drafter=drafter, peak=peak) for o in objectives]
 
     def g(r, k):
         return f"{r[k] / 1e9:.1f}" if r.get(k) is not None else "-"

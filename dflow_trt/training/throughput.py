@@ -14,18 +14,15 @@ target's self-conditioning pass); the peak is the best FLOP/s of a torch matmul 
 the trainer's own shapes in the dtype the trainer computes in, so `fraction` says how close the
 step is to what this machine's matmuls can do.
 
-`python -m dflow_trt.training.throughput --objective dflash dflow --out bench.json` prints a table
-and writes the JSON (atomically).
+`dflow-trt bench training --json-out bench.json` prints the table and writes the JSON.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -219,52 +216,3 @@ def measure(overrides: dict | None = None, *, steps: int = 8, warmup: int = 2, t
         if flops_per_step is not None:
             res["fraction"] = res["achieved_flops"] / res["peak_flops"]
     return res
-
-
-def _row(r: dict) -> str:
-    frac = f"{100 * r['fraction']:6.1f}%" if "fraction" in r else "      -"
-    g = lambda k, s=1e9: f"{r[k] / s:8.1f}" if r.get(k) is not None else "       -"
-    return (f"{r['objective']:7s} {r['blocks_per_s']:9.1f} {r['trained_blocks_per_s']:9.1f} {r['tokens_per_s']:9.0f} "
-            f"{r['step_s']:7.3f} {g('achieved_flops')} {g('peak_flops')} "
-            f"{frac} {r['compute_dtype']}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflow_trt.training.throughput", description=__doc__.split("\n\n")[0])
-    p.add_argument("--objective", nargs="+", default=["dflash", "dflow"], choices=["dflash", "dflow"])
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--data-dir", help="a data set with a state cache, or a new folder to keep the synthetic one in (default: a temporary folder)")
-    p.add_argument("--drafter", help="start from this saved drafter's weights (default: an untrained one)")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="TrainConfig overrides, e.g. seqs_per_step=4 anchors_per_seq=64 (JSON values)")
-    p.add_argument("--no-peak", action="store_true", help="skip the matmul microbenchmark")
-    p.add_argument("--out", help="write the results here as JSON")
-    a = p.parse_args(argv)
-    try:
-        overrides = {}
-        for kv in a.set:
-            k, sep, v = kv.partition("=")
-            if not sep:
-                raise UserError(f"--set takes KEY=VALUE, got {kv!r}")
-            try:
-                overrides[k] = json.loads(v)
-            except ValueError:
-                overrides[k] = v
-        rows = [measure({**overrides, "objective": o}, steps=a.steps, warmup=a.warmup, threads=a.threads or None,
-                        data_dir=a.data_dir, drafter=a.drafter, peak=not a.no_peak) for o in a.objective]
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print("objective  blocks/s  trained/s  tokens/s  step_s  GFLOP/s   peak  fraction dtype")
-    for r in rows:
-        print(_row(r))
-    if a.out:
-        write_text(a.out, json.dumps({"results": rows, "cpu_flags_bf16": native_bf16(),
-                                      "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=1) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
