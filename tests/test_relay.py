@@ -8,7 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflow_trt.backends.trtllm_dflow.relay_io import engine_flow, load_flow_branch, save_flow_branch
+from dflow_trt.backends.trtllm_dflow.relay_io import (
+    engine_flow,
+    load_flow_branch,
+    save_flow_branch,
+)
 from dflow_trt.decoding.flow import carry_flow
 from dflow_trt.decoding.interfaces import FlowState
 from dflow_trt.drafter.config import DrafterConfig

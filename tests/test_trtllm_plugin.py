@@ -7,15 +7,24 @@ import importlib
 import importlib.util
 import json
 import types
-from typing import Optional
 
 import pytest
 import torch
 
 from dflow_trt.backends.tensorrt_llm import llm_api_options, load_llm, served_modes
 from dflow_trt.backends.trtllm_dflow import PLUGIN_MODULE
-from dflow_trt.backends.trtllm_dflow.pins import HOOKS, PINNED_RELEASE, check_release, signature_text
-from dflow_trt.backends.trtllm_dflow.relay_io import FLOW_FILE, flow_state_dict, load_flow_branch, save_flow_branch
+from dflow_trt.backends.trtllm_dflow.pins import (
+    HOOKS,
+    PINNED_RELEASE,
+    check_release,
+    signature_text,
+)
+from dflow_trt.backends.trtllm_dflow.relay_io import (
+    FLOW_FILE,
+    flow_state_dict,
+    load_flow_branch,
+    save_flow_branch,
+)
 from dflow_trt.errors import UserError
 from dflow_trt.export.trtllm import llm_api_config
 
@@ -65,7 +74,7 @@ def fake_tensorrt_llm(worker_prepare=None, drop=()):
         DFlashWorker.prepare_1st_drafter_inputs = worker_prepare
 
     class DFlashSpecMetadata:
-        def get_hidden_states(self, num_tokens: int) -> Optional[torch.Tensor]:
+        def get_hidden_states(self, num_tokens: int) -> torch.Tensor | None:
             return None
 
     class SpeculativeDecodingMode(enum.IntEnum):
@@ -81,7 +90,7 @@ def fake_tensorrt_llm(worker_prepare=None, drop=()):
     def register_draft_model(mode):
         return lambda builder: builder
 
-    def get_registered_draft_model_builder(mode) -> Optional[object]:
+    def get_registered_draft_model_builder(mode) -> object | None:
         return None
 
     class DFlashForCausalLM(torch.nn.Module):
@@ -92,15 +101,15 @@ def fake_tensorrt_llm(worker_prepare=None, drop=()):
         return DFlashForCausalLM(draft_config)
 
     contents = {
-        "tensorrt_llm._torch.speculative.dflash": dict(DFlashWorker=DFlashWorker, DFlashSpecMetadata=DFlashSpecMetadata),
-        "tensorrt_llm._torch.speculative.utils": dict(get_spec_worker=get_spec_worker),
-        "tensorrt_llm._torch.speculative.interface": dict(SpeculativeDecodingMode=SpeculativeDecodingMode),
-        "tensorrt_llm._torch.models.modeling_speculative": dict(get_spec_worker=get_spec_worker),
-        "tensorrt_llm._torch.models.modeling_utils": dict(
-            register_draft_model=register_draft_model,
-            get_registered_draft_model_builder=get_registered_draft_model_builder),
-        "tensorrt_llm._torch.models.modeling_dflash": dict(DFlashForCausalLM=DFlashForCausalLM,
-                                                           _build_dflash_draft=_build_dflash_draft),
+        "tensorrt_llm._torch.speculative.dflash": {"DFlashWorker": DFlashWorker, "DFlashSpecMetadata": DFlashSpecMetadata},
+        "tensorrt_llm._torch.speculative.utils": {"get_spec_worker": get_spec_worker},
+        "tensorrt_llm._torch.speculative.interface": {"SpeculativeDecodingMode": SpeculativeDecodingMode},
+        "tensorrt_llm._torch.models.modeling_speculative": {"get_spec_worker": get_spec_worker},
+        "tensorrt_llm._torch.models.modeling_utils": {
+            "register_draft_model": register_draft_model,
+            "get_registered_draft_model_builder": get_registered_draft_model_builder},
+        "tensorrt_llm._torch.models.modeling_dflash": {"DFlashForCausalLM": DFlashForCausalLM,
+                                                           "_build_dflash_draft": _build_dflash_draft},
     }
     mods = {}
     for name, attrs in contents.items():
@@ -183,8 +192,8 @@ def drafters(tiny_qwen3):
     from dflow_trt.drafter.config import DrafterConfig
     from dflow_trt.drafter.io import build_drafter
 
-    kw = dict(mask_token_id=3, block_size=4, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
-              intermediate_size=64)
+    kw = {"mask_token_id": 3, "block_size": 4, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+              "intermediate_size": 64}
     return {f: build_drafter(tiny_qwen3, DrafterConfig.for_target(tiny_qwen3.info, flow=f, **kw)) for f in (True, False)}
 
 

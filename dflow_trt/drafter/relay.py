@@ -9,8 +9,8 @@ PyTorch module, a packed CPU linear, an engine's linear layer all fit) and holds
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

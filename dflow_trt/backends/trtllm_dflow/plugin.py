@@ -31,17 +31,21 @@ if importlib.util.find_spec("tensorrt_llm") is None:
     raise UserError(f"TensorRT-LLM is not installed; install tensorrt_llm=={PINNED_RELEASE} on a GPU host to use "
                     f"the DFlow plug-in (or serve DFlow with backend=torch or the BLS layout)")
 
-import tensorrt_llm  # noqa: E402
+import tensorrt_llm
 
 check_release(getattr(tensorrt_llm, "__version__", "unknown"))
 
-import torch  # noqa: E402
-from tensorrt_llm._torch.models import modeling_dflash, modeling_speculative, modeling_utils  # noqa: E402
-from tensorrt_llm._torch.speculative.dflash import DFlashWorker  # noqa: E402
-from tensorrt_llm._torch.speculative.interface import SpeculativeDecodingMode  # noqa: E402
+import torch
+from tensorrt_llm._torch.models import (
+    modeling_dflash,
+    modeling_speculative,
+    modeling_utils,
+)
+from tensorrt_llm._torch.speculative.dflash import DFlashWorker
+from tensorrt_llm._torch.speculative.interface import SpeculativeDecodingMode
 
-from ...drafter.relay import relay  # noqa: E402
-from .relay_io import FLOW_FILE, engine_flow, load_flow_branch  # noqa: E402
+from ...drafter.relay import relay
+from .relay_io import FLOW_FILE, engine_flow, load_flow_branch
 
 
 class DFlowDrafterForCausalLM(modeling_dflash.DFlashForCausalLM):
@@ -97,7 +101,11 @@ class DFlowWorker(DFlashWorker):
             flow = engine_flow(input_ids[rows], captured[rows], accepted_tokens[nc:bs], num_accepted_tokens[nc:bs],
                                S, x.shape[1], eligible=self._dflow_drafted[slots[nc:bs]])
             branch.to(device=x.device, dtype=x.dtype)  # a no-op after the first call
-            embed = draft_model.draft_model_full.model.embed_tokens  # TP-aware, as DFlash's own block embedding
+            table = draft_model.draft_model_full.model.embed_tokens  # TP-aware, as DFlash's own block embedding
+
+            def embed(ids):  # [G, Q] -> [G, Q, H]; DFlash itself only feeds the table flat ids
+                return table(ids.reshape(-1)).reshape(*ids.shape, -1)
+
             inputs["noise_embedding"] = relay(x, flow.taps, flow.token_ids, flow.hint_ids, flow.valid,
                                               branch.params(embed))
             self._dflow_drafted[slots[nc:bs]] = True
