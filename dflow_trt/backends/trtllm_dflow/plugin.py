@@ -62,6 +62,8 @@ def _drafter_dir(spec_config) -> Path | None:
 
 
 _builtin_builder = modeling_utils.get_registered_draft_model_builder(SpeculativeDecodingMode.DFLASH)
+if getattr(_builtin_builder, "__module__", None) == __name__:  # a re-import must not wrap itself
+    _builtin_builder = modeling_dflash._build_dflash_draft
 
 
 def build_dflow_draft(model_config, draft_config, lm_head, model):
@@ -114,7 +116,8 @@ class DFlowWorker(DFlashWorker):
         return inputs
 
 
-_builtin_get_spec_worker = modeling_speculative.get_spec_worker
+_builtin_get_spec_worker = getattr(modeling_speculative.get_spec_worker, "__wrapped__",
+                                   modeling_speculative.get_spec_worker)  # unwrapped, even on a re-import
 
 
 def get_spec_worker(spec_config, model_config, mapping, use_separate_draft_kv_cache=False):
