@@ -4,7 +4,9 @@ TensorRT-LLM's PyTorch back end drafts natively with `DFlashDecodingConfig` (a d
 DFlash layout, written by `scripts/build_engines.py` with `trtllm/llm_api.json`). It does not hand
 back the verifier's hidden states at rejected positions, so DFlow's flow cannot be carried through
 it: this back end serves `dflash` (and `ar` when the build has no z-lab drafter). DFlow on GPU
-hosts goes through the BLS layout instead.
+hosts goes through the BLS layout instead, or, where llm_api.json names the DFlow plug-in
+(`dflow_plugin`, see `trtllm_dflow/` and docs/tensorrt_llm_dflow.md), through TensorRT-LLM's DFlash
+mode with the relay added: that build serves `dflow`.
 
 `generate_llmapi` maps TensorRT-LLM's streamed outputs onto our `GenerationResult`: in streaming
 mode each iteration delivers the tokens one target forward committed, so the per-iteration token
@@ -25,6 +27,7 @@ import torch
 from ..decoding.loop import GenerationResult, RoundEvent
 from ..decoding.sampling import SamplingParams
 from ..errors import UserError
+from .trtllm_dflow import PLUGIN_MODULE
 
 
 def llm_api_options(build_dir: str | Path) -> dict:
@@ -43,7 +46,9 @@ def llm_api_options(build_dir: str | Path) -> dict:
 
 
 def served_modes(opts: dict) -> tuple[str, ...]:
-    return ("dflash",) if "speculative_config" in opts else ("ar",)
+    if "speculative_config" not in opts:
+        return ("ar",)
+    return ("dflow",) if opts.get("dflow_plugin") else ("dflash",)
 
 
 def engine_build_available() -> tuple[bool, str]:
@@ -58,15 +63,24 @@ def engine_build_available() -> tuple[bool, str]:
 
 
 def load_llm(opts: dict):
-    """Build a `tensorrt_llm.LLM` from the options; a clear error where TensorRT-LLM or a GPU is missing."""
+    """Build a `tensorrt_llm.LLM` from the options; a clear error where TensorRT-LLM or a GPU is missing.
+
+    With `dflow_plugin` the plug-in is imported first, so DFlash's drafter builder and worker are
+    DFlow's when the model is built (in this process: see docs/tensorrt_llm_dflow.md for workers)."""
+    plugin = opts.get("dflow_plugin")
+    if plugin is not None and plugin != PLUGIN_MODULE:
+        raise UserError(f"llm_api.json names dflow_plugin {plugin!r}; the only plug-in this back end loads is "
+                        f"{PLUGIN_MODULE!r}: fix the file or rebuild it")
     ok, why = engine_build_available()
     if not ok and why != "trtllm-build is not on PATH":  # the LLM API needs no trtllm-build
         raise UserError(f"backend=tensorrt_llm needs a GPU host with TensorRT-LLM ({why}); install "
                         f"tensorrt_llm there, or use backend=torch or onnxruntime")
+    if plugin is not None:
+        importlib.import_module(PLUGIN_MODULE)  # checks the release, then installs DFlow into DFlash
     from tensorrt_llm import LLM
     from tensorrt_llm.llmapi import DFlashDecodingConfig, KvCacheConfig
 
-    kw = {k: v for k, v in opts.items() if k not in ("model", "speculative_config", "kv_cache_config")}
+    kw = {k: v for k, v in opts.items() if k not in ("model", "speculative_config", "kv_cache_config", "dflow_plugin")}
     if "kv_cache_config" in opts:
         kw["kv_cache_config"] = KvCacheConfig(**opts["kv_cache_config"])
     if "speculative_config" in opts:

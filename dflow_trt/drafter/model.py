@@ -17,6 +17,8 @@ drafter learns when to trust. With `flow=False` none of these parameters exist: 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,6 +26,7 @@ from torch import nn
 from .. import kernels
 from ..decoding.interfaces import FlowState
 from .config import DrafterConfig
+from .relay import FlowParams, relay
 
 
 class RMSNorm(nn.Module):
@@ -172,15 +175,14 @@ class DFlowDrafter(nn.Module):
             return x
         if flow is None:
             return x + self.no_flow
-        m = flow.valid[..., None].to(x.dtype)  # [B, Q, 1]
-        n = x.shape[1] if flow_rows is None else flow_rows
-        state = self.flow_norm(self.flow_proj(flow.taps[:, :n].to(self.flow_proj.weight.dtype))) + self.flow_tok_proj(
-            F.embedding(flow.token_ids[:, :n], self.embed_weight))  # [B, n, H]
-        if n < x.shape[1]:
-            state = torch.cat([state, state.new_zeros(state.shape[0], x.shape[1] - n, state.shape[2])], 1)  # [B, Q, H]
-        hint = F.embedding(flow.hint_ids, self.embed_weight) * m  # [B, Q, H]
-        hint = torch.cat([torch.zeros_like(hint[:, :1]), hint[:, :-1]], 1)  # slot j's guess sits at j+1
-        return x + m * (state + self.flow_present) + (1 - m) * self.no_flow + self.hint_gate * hint
+        return relay(x, flow.taps, flow.token_ids, flow.hint_ids, flow.valid, self.flow_params(), flow_rows)
+
+    def flow_params(self) -> FlowParams:
+        """The flow branch as `relay` takes it (one arithmetic for this model and the TensorRT-LLM plug-in)."""
+        return FlowParams(proj=self.flow_proj, norm=self.flow_norm, tok_proj=self.flow_tok_proj,
+                          present=self.flow_present, absent=self.no_flow, hint_gate=self.hint_gate,
+                          embed=functools.partial(F.embedding, weight=self.embed_weight),
+                          tap_dtype=self.flow_proj.weight.dtype)
 
     def hidden(self, x: torch.Tensor, pos: torch.Tensor, ctx_kv, mask: torch.Tensor,
                rows: slice = slice(None)) -> torch.Tensor:

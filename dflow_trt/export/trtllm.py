@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from ..atomic import atomic_dir
 from ..backends.tensorrt_llm import engine_build_available
+from ..backends.trtllm_dflow import PLUGIN_MODULE
 from ..drafter.model import DFlowDrafter
 from ..errors import UserError
 from ..targets.hf_target import HFTarget
@@ -216,18 +217,22 @@ DFLASH_SPEC_FIELDS = ("decoding_type", "max_draft_len", "speculative_model", "ma
 
 
 def llm_api_config(target_hf_dir: str, dflash_dir: str | None, block_size: int, tap_layers: list[int],
-                   tp_size: int = 1, mask_token_id: int | None = None) -> dict:
+                   tp_size: int = 1, mask_token_id: int | None = None, dflow: bool = False) -> dict:
     """TensorRT-LLM LLM-API options (PyTorch back end, FP8 target, DFlash drafting with our taps).
 
     Feed to `trtllm-serve <model> --backend pytorch --extra_llm_api_options llm_api.yaml` or
     `LLM(model=..., speculative_config=DFlashDecodingConfig(**options["speculative_config"]))`.
-    Without a z-lab-layout drafter (`dflash_dir` None) the target is served without drafting."""
+    Without a z-lab-layout drafter (`dflash_dir` None) the target is served without drafting. `dflow`:
+    DFlash mode with DFlow's relay, through the plug-in (`backends/trtllm_dflow`); `dflow_plugin` is
+    our key, read by `backends.tensorrt_llm.load_llm`, not an `LLM(...)` argument."""
     opts = {"model": target_hf_dir, "backend": "pytorch", "tensor_parallel_size": tp_size,
             "disable_overlap_scheduler": True, "kv_cache_config": {"enable_block_reuse": False}}
     if dflash_dir is not None:
         spec = {"decoding_type": "DFlash", "max_draft_len": block_size - 1, "speculative_model": dflash_dir,
                 "mask_token_id": mask_token_id, "target_layer_ids": list(tap_layers)}
         opts["speculative_config"] = {k: v for k, v in spec.items() if v is not None}
+        if dflow:  # our loader imports the plug-in before building the LLM (the folder needs its flow file)
+            opts["dflow_plugin"] = PLUGIN_MODULE
     return opts
 
 
