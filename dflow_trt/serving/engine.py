@@ -150,10 +150,11 @@ class DecodingEngine:
         llm = load_llm(opts)
         block = opts.get("speculative_config", {}).get("max_draft_len", 0) + 1
         self.vocab_size = man["target"]["vocab_size"]
-        self.log("backend=tensorrt_llm: TensorRT-LLM drafts and verifies itself; mode dflow (flow carried "
-                 "across rounds) is served by the BLS layout, not here")
-        return {m: _Loaded(None, None, llm=llm, block_size=block) for m in served_modes(opts)}, \
-            load_tokenizer(self.cfg.target)
+        modes = served_modes(opts)
+        self.log(f"backend=tensorrt_llm: TensorRT-LLM drafts and verifies itself, serving {', '.join(modes)}"
+                 + ("" if "dflow" in modes else "; mode dflow needs the DFlow plug-in (docs/tensorrt_llm_dflow.md) "
+                    "or the BLS layout"))
+        return {m: _Loaded(None, None, llm=llm, block_size=block) for m in modes}, load_tokenizer(self.cfg.target)
 
     def _ensure_loaded(self) -> None:
         if self.modes is None:
