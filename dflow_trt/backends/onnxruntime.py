@@ -20,7 +20,7 @@ import torch
 from ..atomic import read_json
 from ..decoding.interfaces import FlowState, Proposal, TargetInfo, TargetOutput
 from ..decoding.sampling import SamplingParams, propose
-from ..decoding.slots import close_block, open_block, prompt_slots
+from ..targets.slots import close_block, open_block, prompt_slots
 from ..drafter.config import DrafterConfig
 from ..drafter.context import append_slots
 from ..errors import UserError

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..decoding.interfaces import TargetOutput
-from ..decoding.slots import prompt_slots
+from ..targets.slots import prompt_slots
 from ..errors import UserError
 from ..targets.hf_target import HFTarget, tree_ancestors
 

@@ -17,7 +17,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from ..kernels import GROUPED_SDPA
 from ..decoding.interfaces import TargetInfo, TargetOutput
-from ..decoding.slots import close_block, open_block, prompt_slots
+from .slots import close_block, open_block, prompt_slots
 from ..errors import UserError
 from .kv_cache import new_kv_cache, reorder_last_slots
 
