@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -33,14 +34,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The fast test files, cheapest first within each group (pytest -x stops at the first failure).
 ACC = ["tests/test_acceptance.py"]
+# Files whose slow decodes come first: their pure unit tests run as a group of their own before them.
 # The exact-distribution tests decode thousands of rows (minutes each on a busy 2-core machine): only with --slow.
 SAMPLING_EXACT = ["tests/test_sampling_exact.py", "-k", "not onnxruntime and not power"]
 PROPS = ["tests/test_sampling_properties.py"]
 FLOW = ["tests/test_flow.py"]
-LOSSLESS = ["tests/test_lossless.py"]
+LOSSLESS = ["tests/test_lossless.py", "-k", "not verify_length_rule"]
+LOSSLESS_UNIT = ["tests/test_lossless.py::test_verify_length_rule"]
+LOSSLESS_HINTS = ["tests/test_lossless.py", "-k", "hints"]
 EXACT = ["tests/test_exactness.py"]
-ALTS = ["tests/test_alternatives.py"]
-TRAIN = ["tests/test_training_matches_inference.py", "-k", "not ddp"]
+ALTS_UNIT = ["tests/test_alternatives.py::test_accept_alternative_and_counts",
+             "tests/test_alternatives.py::test_greedy_proposal_alternatives_are_the_runner_ups"]
+ALTS = ["tests/test_alternatives.py", "-k", "not accept_alternative_and_counts and not runner_ups"]
+TRAIN_UNIT = ["tests/test_training_matches_inference.py::"
+              "test_block_loss_counts_only_the_accepted_prefix_and_skips_ignored_labels"]
+TRAIN = ["tests/test_training_matches_inference.py", "-k", "not ddp and not block_loss"]
 
 
 @dataclass
@@ -83,19 +91,19 @@ MUTANTS = [
     M("acc-greedy-no-cumprod", "decoding/acceptance.py",
       "num_accepted = match.cumprod(-1).sum(-1)  # [B]",
       "num_accepted = match.sum(-1)  # [B]",
-      [ACC, LOSSLESS], "greedy: matches after the first mismatch counted"),
+      [ACC, LOSSLESS_UNIT, LOSSLESS], "greedy: matches after the first mismatch counted"),
     M("acc-greedy-next-off-by-one", "decoding/acceptance.py",
       "next_token = target_ids.gather(1, num_accepted[:, None])[:, 0]  # [B]",
       "next_token = target_ids.gather(1, (num_accepted - 1).clamp(min=0)[:, None])[:, 0]  # [B]",
-      [ACC, LOSSLESS], "greedy: next token read one slot too early"),
+      [ACC, LOSSLESS_UNIT, LOSSLESS], "greedy: next token read one slot too early"),
     M("acc-proposed-off-by-one", "decoding/acceptance.py",
       "return torch.arange(draft_ids.shape[1], device=draft_ids.device)[None, :] < num_drafts[:, None]",
       "return torch.arange(draft_ids.shape[1], device=draft_ids.device)[None, :] <= num_drafts[:, None]",
-      [ACC, LOSSLESS], "a shortened row also accepts the first draft it did not propose"),
+      [ACC, LOSSLESS_UNIT, LOSSLESS], "a shortened row also accepts the first draft it did not propose"),
     M("acc-alternative-after-accept", "decoding/acceptance.py",
       "& _proposed(alt_ids, num_alts) & (num_accepted == 0)[:, None]",
       "& _proposed(alt_ids, num_alts)",
-      [ALTS], "an alternative taken although the chain accepted draft 1"),
+      [ALTS_UNIT, ALTS], "an alternative taken although the chain accepted draft 1"),
     # ---------------------------------------------------------------- decoding/sampling.py
     M("samp-temperature-twice", "decoding/sampling.py",
       "x = logits.float() / params.temperature",
@@ -121,7 +129,7 @@ MUTANTS = [
     M("samp-alternatives-include-draft", "decoding/sampling.py",
       "alt_ids, alt_conf = draft_vocab[top.indices[:, 1:]], top.values[:, 1:]",
       "alt_ids, alt_conf = draft_vocab[top.indices[:, :-1]], top.values[:, :-1]",
-      [PROPS, ALTS], "greedy runner-ups start with draft 1 itself"),
+      [PROPS, ALTS_UNIT, ALTS], "greedy runner-ups start with draft 1 itself"),
     # ---------------------------------------------------------------- decoding/flow.py
     M("flow-hint-when-sure", "decoding/flow.py",
       "take &= conf[:, k - 1] < trust",
@@ -138,53 +146,53 @@ MUTANTS = [
     M("flow-hint-includes-draft-1", "decoding/flow.py",
       "for k in range(2, min(K, flow_prefix(valid)) + 1):",
       "for k in range(1, min(K, flow_prefix(valid)) + 1):",
-      [FLOW, PROPS, LOSSLESS], "draft 1 takes a hint (slot 0 held the rejected draft, j-1 wraps to -1)"),
+      [FLOW, PROPS, LOSSLESS_UNIT, LOSSLESS], "draft 1 takes a hint (slot 0 held the rejected draft, j-1 wraps to -1)"),
     M("flow-carry-off-by-one", "decoding/flow.py",
       "src = num_accepted[:, None] + 1 + torch.arange(n, device=block_ids.device)  # [B, n] source slot",
       "src = num_accepted[:, None] + torch.arange(n, device=block_ids.device)  # [B, n] source slot",
-      [FLOW, TRAIN], "flow carries the last committed slot too (misaligned by one)"),
+      [FLOW, TRAIN_UNIT, TRAIN], "flow carries the last committed slot too (misaligned by one)"),
     M("flow-carry-hint-is-token", "decoding/flow.py",
       "hint_ids = block_target_ids.gather(1, src) * valid",
       "hint_ids = block_ids.gather(1, src) * valid",
-      [FLOW, TRAIN], "the hint is the token read, not the target's guess"),
+      [FLOW, TRAIN_UNIT, TRAIN], "the hint is the token read, not the target's guess"),
     # ---------------------------------------------------------------- decoding/loop.py (re-point after the rewrite)
     M("loop-hints-count-unsent", "decoding/loop.py",
       "hints += replaced_upto[b][proposed[b] - 1]",
       "hints += replaced_upto[b][-1]",
-      [LOSSLESS], "hints_taken counts replaced drafts the shortened verify never sent"),
+      [LOSSLESS_HINTS, LOSSLESS], "hints_taken counts replaced drafts the shortened verify never sent"),
     M("loop-verified-ignores-alts", "decoding/loop.py",
       "verified += proposed[b] + proposed_alts[b]",
       "verified += proposed[b]",
-      [LOSSLESS, ALTS], "verified_drafts leaves out the alternatives"),
+      [ALTS_UNIT, ALTS, LOSSLESS], "verified_drafts leaves out the alternatives"),
     M("loop-alt-row-carries-flow", "decoding/loop.py",
       "chain_acc = num_acc if took is None else torch.where(took, K1 - 1, num_acc)",
       "chain_acc = num_acc",
-      [ALTS, LOSSLESS], "a row that took an alternative carries the chain's states as flow"),
+      [ALTS_UNIT, ALTS], "a row that took an alternative carries the chain's states as flow"),
     # ---------------------------------------------------------------- training/objective.py
     M("obj-labels-shifted", "training/objective.py",
       "pos = anchors[..., None] + torch.arange(1, S)  # [N, nb, S-1]",
       "pos = anchors[..., None] + torch.arange(2, S + 1)  # [N, nb, S-1]",
-      [TRAIN], "labels one token late"),
+      [TRAIN_UNIT, TRAIN], "labels one token late"),
     M("obj-weights-gamma-times", "training/objective.py",
       "w = torch.exp(-torch.arange(S1, dtype=torch.float32) / gamma)",
       "w = torch.exp(-torch.arange(S1, dtype=torch.float32) * gamma)",
-      [TRAIN], "position weights exp(-(k-1)*gamma)"),
+      [TRAIN_UNIT, TRAIN], "position weights exp(-(k-1)*gamma)"),
     M("obj-ignore-not-masked", "training/objective.py",
       "lab_d = to_draft[labels.clamp(min=0)].masked_fill(labels == IGNORE, IGNORE)",
       "lab_d = to_draft[labels.clamp(min=0)]",
-      [TRAIN], "positions past the sequence end trained on token 0"),
+      [TRAIN_UNIT, TRAIN], "positions past the sequence end trained on token 0"),
     M("obj-context-sees-anchor-slot", "training/objective.py",
       "ctx = torch.arange(T)[None, None, :] < L[..., None]  # [N, Q, T]: strictly before the anchor",
       "ctx = torch.arange(T)[None, None, :] <= L[..., None]  # [N, Q, T]: strictly before the anchor",
-      [TRAIN], "drafter context includes the anchor position's state"),
+      [TRAIN_UNIT, TRAIN], "drafter context includes the anchor position's state"),
     M("obj-verifier-accept-no-cumprod", "training/objective.py",
       "accepted = (drafts == labels).long().cumprod(-1).sum(-1)  # [N, nb]",
       "accepted = (drafts == labels).long().sum(-1)  # [N, nb]",
-      [TRAIN], "self-conditioning: drafts after the first miss counted as accepted"),
+      [TRAIN_UNIT, TRAIN], "self-conditioning: drafts after the first miss counted as accepted"),
     M("obj-stats-no-cumprod", "training/objective.py",
       "accepted = hit.cumprod(-1).sum(-1)[valid]",
       "accepted = hit.sum(-1)[valid]",
-      [TRAIN], "reported training tau counts hits after a miss"),
+      [TRAIN_UNIT, TRAIN], "reported training tau counts hits after a miss"),
 ]
 
 
@@ -239,6 +247,7 @@ def main() -> None:
     ap.add_argument("--json", default="", help="write the results here")
     ap.add_argument("--slow", action="store_true", help="also run test_sampling_exact.py's decodes (where listed)")
     a = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped run kills its pytest and removes its copy
     chosen = [m for m in MUTANTS if any(k in m.id for k in a.k.split(","))]
     if not a.slow:
         for m in chosen:
