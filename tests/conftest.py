@@ -161,10 +161,12 @@ class HintSpy:
         import dflow_trt.decoding.policy as policy
 
         self.taken, real = 0, policy.take_hints
+        self.calls = []  # per call: (replaced [B, K] bool, the hinted proposal's confidence [B, K] or None)
 
         def spy(prop, flow, trust):
             out = real(prop, flow, trust)
             self.taken += int((out.draft_ids != prop.draft_ids).sum())
+            self.calls.append((out.draft_ids != prop.draft_ids, out.confidence))
             return out
 
         monkeypatch.setattr(policy, "take_hints", spy)

@@ -50,9 +50,11 @@ GOOD_DFLASH_STEPS, GOOD_DFLOW_STEPS = 150, 30  # the DFlow run starts from the D
 # ---------------------------------------------------------------- construction
 
 
-def varied_drafter(target, flow: bool, block_size: int = 8, scale: float = VARIED_SCALE, seed: int = 0):
-    """The seeded untrained drafter with every weight matrix scaled by `scale`."""
-    model = build_drafter(target, untrained_config(target, flow=flow, block_size=block_size), seed=seed)
+def varied_drafter(target, flow: bool, block_size: int = 8, scale: float = VARIED_SCALE, seed: int = 0,
+                   **config):
+    """The seeded untrained drafter with every weight matrix scaled by `scale` (`config`: more
+    `untrained_config` arguments, e.g. num_layers)."""
+    model = build_drafter(target, untrained_config(target, flow=flow, block_size=block_size, **config), seed=seed)
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 2:
@@ -99,6 +101,36 @@ def train_good(data_dir: Path, out_dir: Path, objective: str, steps: int, init_f
         return train(cfg)
     finally:
         torch.set_num_threads(n)
+
+
+class PartlyRight:
+    """A real drafter (its context cache, its flow conditioning) whose first k drafts of each row
+    are replaced by the reference continuation `sequences[b]` (prompt + target output), k seeded per
+    row and round in [0, S-1]: acceptances of every length, rejections at every position, full
+    blocks. Past the reference it drafts alone. (As test_exactness.PartlyRight.)"""
+
+    def __init__(self, real, sequences, seed=0):
+        self.real, self.sequences = real, sequences
+        self.block_size, self.uses_flow = real.block_size, real.uses_flow
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def new_state(self, batch_size, generator=None, block_size=None):
+        return self.real.new_state(batch_size, generator, block_size)
+
+    def draft(self, state, context_taps, context_lens, anchor_ids, anchor_pos, flow, sampler, verify_threshold=0.0):
+        import dataclasses
+
+        prop = self.real.draft(state, context_taps, context_lens, anchor_ids, anchor_pos, flow, sampler,
+                               verify_threshold)
+        ids = prop.draft_ids.clone()
+        S = ids.shape[1] + 1  # this request's block
+        k = torch.randint(0, S, (ids.shape[0],), generator=self.gen).tolist()
+        for b, p in enumerate(anchor_pos.tolist()):
+            seq = self.sequences[b]
+            if p + S <= len(seq):  # within the reference: the anchor is its token there
+                assert seq[p] == int(anchor_ids[b]), "anchor must be the reference token at its position"
+                ids[b, :k[b]] = torch.tensor(seq[p + 1: p + 1 + k[b]], dtype=ids.dtype)
+        return dataclasses.replace(prop, draft_ids=ids)
 
 
 # ---------------------------------------------------------------- observation

@@ -46,3 +46,28 @@ def test_rejection_sampling_output_follows_target_distribution():
     assert chisquare(counts, target.numpy() * N).pvalue > 1e-3
     # acceptance rate is sum(min(p, q)), the known optimum
     assert abs(a.float().mean() - torch.minimum(target, draft).sum()) < 0.01
+
+
+def test_rejection_sampling_reads_each_slot_of_the_target():
+    """Two drafts against a target whose distribution differs at every block slot: the accepted
+    counts follow the per-slot acceptance rates, the token after a rejection at slot k is drawn from
+    norm(max(p_k - q_k, 0)) of that slot, and after both drafts the bonus from the last slot's p_2.
+    (With the same target at every slot, as above, a slot mix-up or a bonus read one slot early is
+    invisible.)"""
+    V, N = 6, 60000
+    g = torch.Generator().manual_seed(11)
+    p = torch.softmax(torch.randn(3, V, generator=g) * 1.5, -1)  # target at block slots 0, 1, 2
+    q = torch.softmax(torch.randn(2, V, generator=g) * 1.5, -1)  # the drafter's at drafts 1, 2
+    d = torch.stack([torch.multinomial(q[k].expand(N, V), 1, generator=g)[:, 0] for k in range(2)], 1)  # [N, 2]
+    a, nxt = rejection_sample(d, q.expand(N, 2, V).contiguous(), p.expand(N, 3, V).contiguous(), g)
+    m = torch.minimum(p[:2], q).sum(-1).double()  # acceptance probability of each draft, given the ones before
+    want = torch.stack([1 - m[0], m[0] * (1 - m[1]), m[0] * m[1]])
+    counts = torch.bincount(a, minlength=3).double()
+    assert chisquare(counts.numpy(), (want * N).numpy()).pvalue > 1e-3, (counts / N, want)
+    for k in range(3):
+        dist = (p[k] - q[k]).clamp(min=0) if k < 2 else p[2]  # recovered at slot k, or the bonus
+        dist = (dist / dist.sum()).double()
+        c = torch.bincount(nxt[a == k], minlength=V).double()
+        keep = dist > 0
+        assert (c[~keep] == 0).all(), f"slot {k}: a token outside its residual's support"
+        assert chisquare(c[keep].numpy(), (dist[keep] / dist[keep].sum() * c.sum()).numpy()).pvalue > 1e-3, k

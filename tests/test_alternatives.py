@@ -4,7 +4,7 @@ beside the chain. Lossless against plain greedy decoding; the tree pass itself m
 import pytest
 import torch
 
-from conftest import PROMPTS_TEXT, OracleDrafter, chat_ids
+from conftest import PROMPTS_TEXT, OracleDrafter, assert_greedy_equivalent, chat_ids
 from dflow_trt.decoding.acceptance import accept_alternative
 from dflow_trt.decoding.interfaces import Proposal
 from dflow_trt.decoding.loop import generate
@@ -30,6 +30,7 @@ class RunnerUpOracle(OracleDrafter):
     def __init__(self, sequences, block_size, vocab, seed=0, per_row_conf=False):
         super().__init__(sequences, block_size)
         self.g, self.vocab, self.per_row_conf = torch.Generator().manual_seed(seed), vocab, per_row_conf
+        self.hidden = []  # per round: rows whose right draft 1 was offered among the runner-ups [B] bool
 
     def draft(self, *args):
         ids = super().draft(*args).draft_ids  # [B, K]
@@ -41,6 +42,7 @@ class RunnerUpOracle(OracleDrafter):
         rank = torch.randint(0, 5, (B,), generator=self.g)  # 4: the right token is not offered
         hide = wrong & (rank < 4)
         alts[hide, rank[hide]] = right[hide]
+        self.hidden.append(hide)
         conf = torch.full((B, K), 0.9)
         alt_conf = torch.tensor([0.6, 0.4, 0.1, 0.02]).repeat(B, 1)
         if self.per_row_conf:  # rows propose different numbers of runner-ups under a threshold, some none
@@ -60,6 +62,22 @@ def test_alternatives_are_lossless_batched_and_single(tiny_qwen3, S, threshold):
         res = generate(tiny_qwen3, d, prompts, DecodeOptions(mode=mode, max_new_tokens=max_new, stop_token_ids=(), verify_threshold=threshold, alternatives=4))
         assert res.token_ids == ar, (mode, S, threshold)
         assert res.alternatives_taken > 0
+        n_rounds = sum(map(len, res.acceptance_lengths))
+        if threshold == 0:  # every round sends the whole chain and all four runner-ups
+            assert res.verified_drafts == n_rounds * (S - 1 + 4)
+            # a row offered the right token as a runner-up takes it, and its next round carries no flow
+            # (the chain's states there read the rejected draft 1, not the alternative)
+            # (counted for rows still decoding: row b decodes in round r + 1 while it has r + 1 lengths)
+            assert res.alternatives_taken == sum(bool(h[b]) for r, h in enumerate(d.hidden)
+                                                 for b, lens in enumerate(res.acceptance_lengths) if len(lens) > r)
+            if mode == "dflow":
+                took = [b for r, h in enumerate(d.hidden[:res.rounds - 1]) for b in h.nonzero()[:, 0].tolist()
+                        if not d.flows[r + 1].valid[b].any()]
+                assert len(took) == sum(int(h.sum()) for h in d.hidden[:res.rounds - 1]) > 0
+                # while a row whose draft 1 was rejected with no runner-up right carries the rest of its chain
+                missed = [(r, b) for r, h in enumerate(d.hidden[:res.rounds - 1]) for b in range(len(h))
+                          if not h[b] and d.flows[r + 1].valid[b].any()]
+                assert missed
         single = [generate(tiny_qwen3, RunnerUpOracle([s], S, tiny_qwen3.info.vocab_size, seed=i), [p], DecodeOptions(mode=mode, max_new_tokens=max_new, stop_token_ids=(), verify_threshold=threshold, alternatives=4)).token_ids[0]
                   for i, (s, p) in enumerate(zip(seqs, prompts))]
         assert single == ar
@@ -71,14 +89,39 @@ def test_alternatives_are_lossless_batched_and_single(tiny_qwen3, S, threshold):
         assert mixed.token_ids == ar and mixed.alternatives_taken > 0
 
 
-def test_untrained_drafter_with_alternatives_is_lossless(tiny_qwen3):
+def test_real_drafter_with_alternatives_is_lossless(tiny_qwen3):
+    """A real drafter's own runner-ups (`propose`), not an oracle's: the seeded drafter whose drafts
+    vary with the context (tests/doubles.py), all seven runner-ups sent at threshold 0."""
+    from doubles import varied_drafter
+
     prompts, max_new = _prompts(tiny_qwen3, 4), 24
-    ar = generate(tiny_qwen3, None, prompts, DecodeOptions(mode="ar", max_new_tokens=max_new, stop_token_ids=())).token_ids
+    ar = [generate(tiny_qwen3, None, [p], DecodeOptions(mode="ar", max_new_tokens=max_new, stop_token_ids=())).token_ids[0] for p in prompts]
     for flow, mode in ((False, "dflash"), (True, "dflow")):
-        d = TorchDrafter(build_drafter(tiny_qwen3, untrained_config(tiny_qwen3, flow=flow, block_size=8)))
+        d = TorchDrafter(varied_drafter(tiny_qwen3, flow=flow, block_size=8))
         for threshold in (0.0, 0.01):
             res = generate(tiny_qwen3, d, prompts, DecodeOptions(mode=mode, max_new_tokens=max_new, stop_token_ids=(), verify_threshold=threshold, alternatives=7))
-            assert res.token_ids == ar, (mode, threshold)
+            for p, got, want in zip(prompts, res.token_ids, ar):
+                assert_greedy_equivalent(tiny_qwen3, p, got, want, max_new_tokens=max_new)
+            if threshold == 0:
+                assert res.verified_drafts == sum(map(len, res.acceptance_lengths)) * (7 + 7), "runner-ups not sent"
+
+
+def test_greedy_proposal_alternatives_are_the_runner_ups():
+    """`propose` (greedy, alternatives=A): draft 1 is the argmax, `alt_ids` the next A tokens best
+    first (in target ids) and `alt_conf` their probabilities; draft 1 is never among them."""
+    from dflow_trt.decoding.sampling import propose
+
+    g = torch.Generator().manual_seed(0)
+    V, Vd, A = 50, 20, 3
+    draft_vocab = torch.randperm(V, generator=g)[:Vd]
+    logits = torch.randn(6, 4, Vd, generator=g) * 2
+    prop = propose(logits, draft_vocab, V, SamplingParams(), None, alternatives=A)
+    probs = logits.softmax(-1)
+    top = probs[:, 0].topk(A + 1, -1)
+    assert torch.equal(prop.draft_ids, draft_vocab[logits.argmax(-1)])
+    assert torch.equal(prop.alt_ids, draft_vocab[top.indices[:, 1:]])
+    torch.testing.assert_close(prop.alt_conf, top.values[:, 1:])
+    assert not (prop.alt_ids == prop.draft_ids[:, :1]).any()
 
 
 @pytest.mark.slow

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from dflow_trt.decoding.flow import carry_flow, right_align, take_hints
@@ -92,3 +93,14 @@ def test_hints_respect_validity_rows_and_sampling_distributions():
     # without confidences every consistent guess is taken; trust 0 takes none
     assert take_hints(Proposal(drafts, None, None), flow).draft_ids[0, 1] == 51
     assert torch.equal(take_hints(Proposal(drafts, None, torch.full((2, 5), 0.1)), flow, trust=0.0).draft_ids, drafts)
+
+
+def test_draft_1_never_takes_a_hint():
+    """Slot 0 held the rejected draft, not the anchor: draft 1 keeps its draft even where slot 0 read
+    a token equal to some draft (here every draft, the last one included) and the drafter is unsure.
+    Drafts 2.. still take theirs (the flow is consistent there), so the case is not vacuous."""
+    flow = _flow([[7, 7, 7, 7, 7, 7]], [[50, 51, 52, 53, 54, 55]], [6])
+    drafts = torch.tensor([[7, 7, 7, 7, 7]])
+    prop = take_hints(Proposal(drafts, None, torch.full((1, 5), 0.1)), flow, trust=0.5)
+    assert prop.draft_ids[0, 0] == 7 and prop.confidence[0, 0] == pytest.approx(0.1)
+    assert prop.draft_ids[0, 1] == 51  # draft 1 (7) matches slot 1's read token: draft 2 takes its guess

@@ -95,3 +95,51 @@ def test_the_property_catches_a_decision_on_the_sampled_draft():
 
     with pytest.raises(AssertionError, match="depends on that draft"):
         _assert_decisions_ignore_the_draft(biased)
+
+
+def _reference_probs(logits: torch.Tensor, t: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The processed distribution written from its definition, one row at a time in float64:
+    softmax(logits / t); keep the top_k most probable tokens; of those (renormalised), keep the most
+    probable ones until their mass first reaches top_p; renormalise."""
+    out = []
+    for row in logits.double():
+        p = torch.softmax(row / t, -1)
+        order = p.argsort(descending=True).tolist()
+        kept = order[:top_k] if top_k else order
+        mass, keep, total = 0.0, [], float(p[kept].sum())
+        for i in kept:
+            keep.append(i)
+            mass += float(p[i]) / total
+            if mass >= top_p:
+                break
+        q = torch.zeros_like(p)
+        q[keep] = p[keep]
+        out.append(q / q.sum())
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("t,top_k,top_p", [(0.5, 0, 1.0), (1.7, 0, 1.0), (0.8, 5, 1.0), (1.0, 1, 1.0),
+                                           (0.7, 0, 0.6), (1.3, 7, 0.9), (2.0, 0, 0.3)])
+def test_processed_probs_is_the_defined_distribution(t, top_k, top_p):
+    """`processed_probs` against a reference written from the definition. Every exact-distribution
+    test compares sampled tokens with `processed_probs` itself, so a wrong temperature, top-k or
+    top-p in it is invisible there: this is the check that sees it."""
+    from dflow_trt.decoding.sampling import processed_probs
+
+    logits = torch.randn(64, 30, generator=torch.Generator().manual_seed(5)) * 3  # no ties (continuous)
+    got = processed_probs(logits, SamplingParams(t, top_p=top_p, top_k=top_k)).double()
+    want = _reference_probs(logits, t, top_k, top_p)
+    assert torch.equal(got > 0, want > 0), "a different support (a token too many or too few kept)"
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_top_p_keeps_the_token_that_reaches_it():
+    """Probabilities 0.5, 0.3, 0.2: top-p 0.75 keeps the first two (0.5 < 0.75 <= 0.8); 0.5 keeps one
+    (the first token reaches it alone); 0.81 keeps all three."""
+    from dflow_trt.decoding.sampling import processed_probs
+
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    for top_p, n in ((0.75, 2), (0.5, 1), (0.81, 3), (1.0, 3)):
+        got = processed_probs(logits, SamplingParams(1.0, top_p=top_p))[0]
+        assert int((got > 0).sum()) == n, (top_p, got)
+        torch.testing.assert_close(got[:n], torch.tensor([0.5, 0.3, 0.2])[:n] / [0.5, 0.8, 1.0, 1.0][n - 1])

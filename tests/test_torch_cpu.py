@@ -154,14 +154,24 @@ def test_packed_decoding_is_lossless(tiny_qwen3):
     """Every mode on a packed target with a packed drafter, batched, equals greedy decoding row by row."""
     target, _ = load_target_and_drafter("tiny-qwen3", None, "ar", warn=lambda m: None)
     assert any(type(m) is torch_cpu.PackedLinear for m in target.model.modules())
+    from doubles import PartlyRight, rounds
+
     prompts = chat_prompts(target, 4)
-    ar = [generate(target, None, [p], DecodeOptions(mode="ar", max_new_tokens=24, stop_token_ids=())).token_ids[0] for p in prompts]
+    ar_long = [generate(target, None, [p], DecodeOptions(mode="ar", max_new_tokens=32, stop_token_ids=())).token_ids[0] for p in prompts]
+    ar = [a[:24] for a in ar_long]
+    seqs = [p + a for p, a in zip(prompts, ar_long)]
     for mode in ("dflash", "dflow"):
         t, model = load_target_and_drafter("tiny-qwen3", None, mode, warn=lambda m: None, target=target)
         assert any(type(m) is torch_cpu.PackedLinear for m in model.modules())
         for S in (3, 8):
             res = generate(t, TorchDrafter(model), prompts, DecodeOptions(block_size=S, mode=mode, max_new_tokens=24, stop_token_ids=()))
             assert res.token_ids == ar, (mode, S)
+            # the packed drafter's drafts with a seeded number of right ones in front: multi-token
+            # commits and rejections at every position through the packed target's verify and cache
+            res = generate(t, PartlyRight(TorchDrafter(model), seqs, seed=S), prompts, DecodeOptions(block_size=S, mode=mode, max_new_tokens=24, stop_token_ids=()))
+            assert res.token_ids == ar, ("partly right", mode, S)
+            kinds = rounds(res.acceptance_lengths, S)
+            assert kinds["rejected"] and kinds["partial"] and kinds["full"], (mode, S, dict(kinds))
 
 
 @pytest.mark.slow

@@ -106,7 +106,7 @@ def test_training_learns_and_decodes_losslessly(trained, objective, tiny_qwen3):
     assert last < first, (first, last)
     assert all(r["grad_norm"] == r["grad_norm"] for r in log)  # no NaN
     evals = [r for r in log if "eval_tau_noflow" in r]
-    assert [r["step"] for r in evals] == [20, 40] and all(r["eval_tau_noflow"] >= 1 for r in evals)
+    assert [r["step"] for r in evals] == [20, 40] and all(1 <= r["eval_tau_noflow"] <= 4 for r in evals)  # block 4
     assert ("eval_tau_flow" in evals[-1]) == (objective == "dflow")
     files = {p.name for p in (out / "drafter").iterdir()}
     assert {"config.json", "model.safetensors", "training_config.json", "train_log.jsonl",

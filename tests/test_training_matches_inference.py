@@ -297,6 +297,32 @@ def test_labels_are_the_tokens_at_anchor_plus_k_and_a_shift_is_caught(tiny_qwen3
     assert abs(shifted_loss - loss) > 0.05 * loss, (loss, shifted_loss)
 
 
+def test_block_loss_counts_only_the_accepted_prefix_and_skips_ignored_labels():
+    """`block_loss` on hand-made logits: the reported accepted count of a block is its prefix of
+    right predictions (a hit after a miss does not count: the training τ the logs report), a block
+    whose first label is past the end is left out, and ignored labels add nothing to the loss."""
+    from types import SimpleNamespace
+
+    V, S1 = 7, 4
+    draft_vocab = torch.tensor([3, 0, 6, 1, 5, 2, 4])  # draft id -> target id, not the identity
+    to_draft = torch.empty(V, dtype=torch.long)
+    to_draft[draft_vocab] = torch.arange(V)
+    model = SimpleNamespace(draft_vocab=draft_vocab)
+    labels = torch.tensor([[[1, 2, 3, 4], [5, 6, IGNORE, IGNORE], [IGNORE] * 4, [2, 2, 2, 2]]])  # [1, 4, S-1]
+    hits = torch.tensor([[[1, 0, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0], [0, 1, 1, 1]]]).bool()
+    pred = torch.where(hits, labels.clamp(min=0), (labels.clamp(min=0) + 1) % V)  # the token each argmax names
+    logits = torch.nn.functional.one_hot(to_draft[pred], V).float() * 4.0  # [1, 4, S-1, V]
+    st = objective.block_loss(model, logits, labels, GAMMA, to_draft)
+    assert st.accepted.tolist() == [1, 2, 0]  # block 3 (no label) left out; block 4 misses first
+    w = [math.exp(-k / GAMMA) for k in range(S1)]
+    hit_ce = float(torch.logsumexp(torch.tensor([4.0] + [0.0] * (V - 1)), 0) - 4.0)
+    miss_ce = hit_ce + 4.0
+    num = sum(w[k] * (hit_ce if hits[0, i, k] else miss_ce) for i in range(4) for k in range(S1)
+              if labels[0, i, k] != IGNORE)
+    den = sum(w[k] for i in range(4) for k in range(S1) if labels[0, i, k] != IGNORE)
+    assert float(st.loss) == pytest.approx(num / den, rel=1e-5)
+
+
 # ---- DDP: 2 processes (gloo) vs 1 process on the concatenated batch ----
 
 DDP_OFFSETS = [(0, 3, 6), (1, 4, 6)]  # both rows' blocks and next-round blocks end inside the row:
