@@ -107,7 +107,7 @@ class PartlyRight:
     """A real drafter (its context cache, its flow conditioning) whose first k drafts of each row
     are replaced by the reference continuation `sequences[b]` (prompt + target output), k seeded per
     row and round in [0, S-1]: acceptances of every length, rejections at every position, full
-    blocks. Past the reference it drafts alone. (As test_exactness.PartlyRight.)"""
+    blocks. Past the reference it drafts alone."""
 
     def __init__(self, real, sequences, seed=0):
         self.real, self.sequences = real, sequences

@@ -2,13 +2,13 @@
 that stop on EOS at different rounds, decodes across a reallocation of the growing KV buffer, and
 speculative decoding of the FP8 (ModelOpt fake-quant) target against FP8 `ar`."""
 
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import GREEDY_TIE_RTOL, OracleDrafter, assert_greedy_equivalent, chat_prompts, teacher_forced_logits
+from doubles import PartlyRight
 from dflow_trt.decoding.loop import generate
 from dflow_trt.decoding.options import DecodeOptions
 from dflow_trt.drafter.defaults import untrained_config
@@ -34,32 +34,6 @@ def _ar(target, prompts, n, stop=()):
 
 def _untrained(target, flow, S):
     return TorchDrafter(build_drafter(target, untrained_config(target, flow=flow, block_size=S, num_layers=1)))
-
-
-class PartlyRight:
-    """A real drafter (TorchDrafter: its context cache, its flow conditioning) whose first k drafts of
-    each row are replaced by the target's own continuation, k seeded per row and round in [0, S-1]:
-    acceptances of every length, rejections at every position. Past the reference it drafts alone."""
-
-    def __init__(self, real, sequences, seed=0):
-        self.real, self.sequences = real, sequences
-        self.block_size, self.uses_flow = real.block_size, real.uses_flow
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def new_state(self, batch_size, generator=None, block_size=None):
-        return self.real.new_state(batch_size, generator, block_size)
-
-    def draft(self, state, context_taps, context_lens, anchor_ids, anchor_pos, flow, sampler, verify_threshold=0.0):
-        prop = self.real.draft(state, context_taps, context_lens, anchor_ids, anchor_pos, flow, sampler,
-                               verify_threshold)
-        S, ids = self.block_size, prop.draft_ids.clone()
-        k = torch.randint(0, S, (ids.shape[0],), generator=self.gen).tolist()
-        for b, p in enumerate(anchor_pos.tolist()):
-            seq = self.sequences[b]
-            if p + S <= len(seq):  # within the reference: the anchor is its token there
-                assert seq[p] == int(anchor_ids[b]), "anchor must be the reference token at its position"
-                ids[b, :k[b]] = torch.tensor(seq[p + 1: p + 1 + k[b]], dtype=ids.dtype)
-        return dataclasses.replace(prop, draft_ids=ids)
 
 
 class Rounds:
