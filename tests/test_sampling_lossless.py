@@ -24,7 +24,9 @@ PROMPT = [1, 2, 3]
 def _samples(target, drafter, mode, params, block, verify_threshold=0.0, hint_trust=0.5):
     if drafter is not None and not isinstance(drafter, CloseDrafter):
         drafter = TorchDrafter(drafter)
-    res = generate(target, drafter, [PROMPT] * N, DecodeOptions(block_size=block, mode=mode, max_new_tokens=K, sampling=params, stop_token_ids=(), verify_threshold=verify_threshold, hint_trust=hint_trust))
+    options = DecodeOptions(mode=mode, block_size=block if mode != "ar" else None, max_new_tokens=K, sampling=params,
+                            stop_token_ids=(), verify_threshold=verify_threshold, hint_trust=hint_trust)
+    res = generate(target, drafter, [PROMPT] * N, options)
     return [tuple(r[:K]) for r in res.token_ids], res
 
 
