@@ -516,6 +516,12 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _progress_bar_open() -> bool:
+    """A progress bar the interrupt left on screen: the error then starts on a line of its own."""
+    tqdm = sys.modules.get("tqdm")
+    return bool(tqdm is not None and getattr(tqdm.tqdm, "_instances", None))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command. A refusal ends in one `error: ...` line and exit 2 (argparse's too), Ctrl-C
     in `error: interrupted` and exit 130; outputs are written whole or not at all."""
@@ -544,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, Exception) as e:
         if not (isinstance(e, KeyboardInterrupt) or interrupts):
             raise
-        print("error: interrupted", file=sys.stderr)
+        print(("\n" if _progress_bar_open() else "") + "error: interrupted", file=sys.stderr)
         return 130
     finally:
         if previous is not None:
