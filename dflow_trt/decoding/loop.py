@@ -69,18 +69,18 @@ class Transcript:
         self.done = [t[0] in stop or max_new_tokens <= 1 for t in self.tokens]
         self.reasons = ["stop" if t[0] in stop else "length" for t in self.tokens]
         self.rounds = self.verified = self.hints = self.alts_taken = 0
+        self.chain_accepted: list[int] = []  # the last round's `Verdict.chain_accepted`, per row
 
     def record(self, plan: Plan, v: Verdict) -> list[list[int]]:
         """Append the round's committed tokens per row (finished rows commit nothing); return them."""
         took = v.num_accepted.new_zeros(v.num_accepted.shape) if v.took_alt is None else v.took_alt.long()
         per_row = torch.stack([v.num_accepted, v.next_token, plan.proposed(), plan.proposed_alts(), took,
-                               plan.hints_sent()], 1)  # [B, 6]
+                               plan.hints_sent(), v.chain_accepted()], 1)  # [B, 7]
         rows = torch.cat([per_row, v.kept], 1).tolist()  # the sync
         self.rounds += 1
-        K = v.kept.shape[1] - 1  # a row that kept an alternative carries no flow, as if it accepted all
-        self.chain_accepted = [K if r[4] else r[0] for r in rows]
+        self.chain_accepted = [r[6] for r in rows]
         committed: list[list[int]] = [[] for _ in rows]
-        for b, (acc, nxt, sent, sent_alts, took_b, hints, _, *kept) in enumerate(rows):
+        for b, (acc, nxt, sent, sent_alts, took_b, hints, _, _, *kept) in enumerate(rows):
             if self.done[b]:
                 continue
             self.accept_lens[b].append(acc + 1)
