@@ -18,7 +18,7 @@ from typing import Any
 from .backends.static import static_target
 from .decoding.interfaces import Drafter, Target
 from .decoding.options import MODES
-from .drafter.defaults import load_target_and_drafter, shipped_drafter_path
+from .drafter.defaults import load_target_and_drafter, resolve_drafter_path
 from .drafter.runtime import TorchDrafter
 from .errors import UserError
 from .targets import load_tokenizer
@@ -74,10 +74,7 @@ def _load_onnxruntime(target_spec, drafters, modes, build_dir, build, log) -> di
 
         paths = []
         for mode in [m for m in modes if m != "ar"] or ["dflow"]:
-            path = drafters.get(mode) or shipped_drafter_path(target_spec, mode)
-            if path is not None and not Path(path).exists():
-                raise UserError(f"drafter {path} does not exist; pass a folder written by `dflow-trt train` or omit "
-                                "--drafter")
+            path = resolve_drafter_path(target_spec, mode, drafters.get(mode))
             paths += [str(path)] if path else []
         res = Build(BuildSpec(target=target_spec, drafters=tuple(dict.fromkeys(paths)), out=build_dir,
                               onnx_only=True), log=log).run()

@@ -37,6 +37,14 @@ def shipped_drafter_path(target_name: str, mode: str) -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
+def resolve_drafter_path(target_spec: str, mode: str, drafter_path: str | None) -> Path | None:
+    """The drafter folder a mode uses: the one given (which must exist), else the shipped one, else None."""
+    path = Path(drafter_path) if drafter_path else shipped_drafter_path(target_spec, mode)
+    if path is not None and not path.exists():
+        raise UserError(f"drafter {path} does not exist; pass a folder written by `dflow-trt train` or omit --drafter")
+    return path
+
+
 def load_target_and_drafter(target_spec: str, drafter_path: str | None, mode: str,
                             device: str = "cpu", warn=lambda m: print(m, file=sys.stderr),
                             target: HFTarget | None = None,
@@ -67,10 +75,8 @@ def load_target_and_drafter(target_spec: str, drafter_path: str | None, mode: st
 
     if mode == "ar":
         return _load(), None
-    path = Path(drafter_path) if drafter_path else shipped_drafter_path(target_spec, mode)
+    path = resolve_drafter_path(target_spec, mode, drafter_path)
     if path is not None:
-        if not path.exists():
-            raise UserError(f"drafter {path} does not exist; pass a folder written by `dflow-trt train` or omit --drafter")
         cfg = read_config(path)
         t = _load(tap_layers=cfg.tap_layers)
         return t, _packed(load_drafter(path, t))
