@@ -180,3 +180,87 @@ def test_sampled_first_tokens_have_the_target_distribution(server, tiny_qwen3, m
     assert power >= 0.9, power
     assert pval > ALPHA, (pval, counts)
     assert 0 < accepted < len(first), first
+
+
+def test_concurrent_mix_over_triton_gets_what_each_gets_alone(server, tiny_qwen3):
+    """Continuous batching in the in-process model: a concurrent mix (both modes and ar, blocks 4
+    and 8, different lengths, a stop word, sampled requests, one cancelled mid-stream) shares
+    batches, and every greedy request gets what it got when sent alone; the server then holds no row."""
+    import queue as queue_mod
+
+    from dflow_trt.serving.client import _inputs, request_arrays
+
+    base = generate_grpc(server.grpc_url, "dflow", prompt=GOOD_TEXTS[2], mode="dflow", max_tokens=40, chat=True).text
+    stop = base[len(base) // 2:len(base) // 2 + 3]  # a word the decode reaches half way
+    mix = [dict(prompt=GOOD_TEXTS[0], mode="dflow", max_tokens=48, block_size=8),
+           dict(prompt=GOOD_TEXTS[1], mode="dflow", max_tokens=32, block_size=8),
+           dict(prompt=GOOD_TEXTS[2], mode="dflow", max_tokens=40, block_size=8, stop_words=[stop]),
+           dict(prompt=GOOD_TEXTS[3], mode="dflash", max_tokens=48, block_size=8),
+           dict(prompt=GOOD_TEXTS[0], mode="dflash", max_tokens=24, block_size=4),
+           dict(prompt=GOOD_TEXTS[1], mode="ar", max_tokens=20),
+           dict(prompt=GOOD_TEXTS[3], mode="dflow", max_tokens=40, block_size=8)]
+    sampled = [dict(prompt=GOOD_TEXTS[k % 4], mode="dflow", max_tokens=24, block_size=8, temperature=0.8)
+               for k in range(3)]
+    for r in mix + sampled:
+        r["chat"] = True
+    alone = [generate_grpc(server.grpc_url, "dflow", **r) for r in mix]
+    assert all(a.stats["batch_rows"] == 1 for a in alone)
+
+    def cancelled_one():  # a long request cancelled after its third streamed round
+        c = grpcclient.InferenceServerClient(server.grpc_url)
+        q = queue_mod.Queue()
+        c.start_stream(callback=lambda result, error: q.put((result, error)))
+        c.async_stream_infer("dflow", _inputs(grpcclient, request_arrays(prompt=GOOD_TEXTS[2], max_tokens=1000,
+                                                                         mode="dflow", block_size=8, chat=True)))
+        for _ in range(3):
+            r, e = q.get(timeout=120)
+            assert e is None
+        c.stop_stream(cancel_requests=True)
+        c.close()
+
+    before = server.log_path.read_text().count("cancelled after")
+    with ThreadPoolExecutor(len(mix) + len(sampled) + 1) as ex:
+        cancel = ex.submit(cancelled_one)
+        futs = [ex.submit(generate_grpc, server.grpc_url, "dflow", **r) for r in mix + sampled]
+        got = [f.result(timeout=600) for f in futs]
+        cancel.result(timeout=600)
+    assert max(g.stats["batch_rows"] for g in got) >= 4, [g.stats["batch_rows"] for g in got]
+    for r, a, g in zip(mix, alone, got):
+        ids = prompt_ids(tiny_qwen3, r["prompt"], True)
+        if "stop_words" in r:
+            assert g.stats["finish_reason"] == a.stats["finish_reason"] == "stop_word" and g.token_ids == a.token_ids
+        else:
+            from conftest import assert_greedy_equivalent
+
+            assert_greedy_equivalent(tiny_qwen3, ids, g.token_ids, a.token_ids, stop_token_ids=tiny_qwen3.info.eos_token_ids,
+                                     max_new_tokens=r["max_tokens"])
+    for s, g in zip(sampled, got[len(mix):]):
+        assert 0 < len(g.token_ids) <= s["max_tokens"] and g.stats["finish_reason"] in ("stop", "length")
+    assert any(a > 2 for g in got for a in g.stats["acceptance_lengths"])  # the drafters drafted in the batch
+    deadline = time.time() + 60
+    while time.time() < deadline and server.log_path.read_text().count("cancelled after") == before:
+        time.sleep(0.5)
+    assert server.log_path.read_text().count("cancelled after") > before
+    last = generate_grpc(server.grpc_url, "dflow", prompt="hi", mode="ar", max_tokens=1)
+    assert last.stats["active_requests"] == 0 and last.stats["scheduler"] == {"waiting": 0, "rows": 0, "batches": 0}
+
+
+def test_unseeded_sampled_requests_sharing_batches_have_the_target_distribution(server, tiny_qwen3):
+    """As above, without seeds: unseeded requests of one kind share the in-process model's batches
+    (its stats say so), and their first 3 tokens still have the target's exact distribution."""
+    text, S, k = GOOD_TEXTS[0], 4, 3
+    ids = prompt_ids(tiny_qwen3, text, True)
+    p = exact_prefix_probs(tiny_qwen3, ids, SamplingParams(1.0, top_k=3), k)
+    q = exact_prefix_probs(tiny_qwen3, ids, SamplingParams(WRONG_T, top_k=3), k)
+
+    def one(_):
+        r = generate_grpc(server.grpc_url, "dflow", prompt=text, mode="dflow", max_tokens=k, block_size=S, chat=True,
+                          temperature=1.0, top_k=3)
+        return tuple(r.token_ids), r.stats["batch_rows"]
+
+    with ThreadPoolExecutor(8) as ex:
+        out = list(ex.map(one, range(N_SAMPLES)))
+    assert max(b for _, b in out) >= 4, collections.Counter(b for _, b in out)
+    stat, df, pval, power = chi_square_gof(collections.Counter(o for o, _ in out), p, q, ALPHA)
+    assert power >= 0.9, power
+    assert pval > ALPHA, pval

@@ -57,6 +57,7 @@ class StaticTarget:
     once and replay it (CUDA only)."""
 
     supports_tree = True
+    joins_rows = True
 
     def __init__(self, hf: HFTarget, max_len: int | None = None, prefill_logits: str = "last",
                  compile: bool = False, cuda_graphs: bool = False):
@@ -241,6 +242,19 @@ class StaticTarget:
         cache.pending = 0
         if not self.fixed_window:
             cache.hi = int(cache.fill.max())
+
+    def join(self, cache: StaticCache, other: StaticCache) -> StaticCache:
+        """`cache`'s rows then `other`'s: the pools stacked (same slot count, so no padding)."""
+        assert cache.pending == 0 and other.pending == 0, "join committed caches only"
+        return StaticCache(k=[torch.cat(p) for p in zip(cache.k, other.k)], v=[torch.cat(p) for p in zip(cache.v, other.v)],
+                           fill=torch.cat([cache.fill, other.fill]), hi=max(cache.hi, other.hi))
+
+    def keep(self, cache: StaticCache, rows: torch.Tensor) -> StaticCache:
+        assert cache.pending == 0, "keep rows of a committed cache only"
+        rows = rows.to(self.device)
+        fill = cache.fill[rows]
+        return StaticCache(k=[t[rows] for t in cache.k], v=[t[rows] for t in cache.v], fill=fill,
+                           hi=int(fill.max()) if len(rows) else 0)
 
     def _chain(self, S: int) -> tuple[torch.Tensor, torch.Tensor]:
         if S not in self._chains:  # [S, S] lower triangle, depths [S]

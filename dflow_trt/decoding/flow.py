@@ -33,6 +33,20 @@ def carry_flow(block_ids: torch.Tensor, block_taps: torch.Tensor, block_target_i
     return FlowState(taps=taps, token_ids=token_ids, hint_ids=hint_ids, valid=valid)
 
 
+def join_flow(a: FlowState | None, b: FlowState | None, na: int, nb: int, S: int) -> FlowState | None:
+    """The flows of two batches of na and nb rows stacked; a batch without one (rows just
+    prefilled) carries nothing."""
+    if a is None and b is None:
+        return None
+    ref = a if a is not None else b
+    none = lambda n: FlowState(ref.taps.new_zeros(n, S, ref.taps.shape[-1]), ref.token_ids.new_zeros(n, S),  # noqa: E731
+                               ref.hint_ids.new_zeros(n, S), ref.valid.new_zeros(n, S), 0)
+    a, b = a or none(na), b or none(nb)
+    rows = None if a.rows is None or b.rows is None else max(a.rows, b.rows)
+    return FlowState(torch.cat([a.taps, b.taps]), torch.cat([a.token_ids, b.token_ids]),
+                     torch.cat([a.hint_ids, b.hint_ids]), torch.cat([a.valid, b.valid]), rows)
+
+
 def right_align(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     """Left-padded x [B, T, ...] with true lengths [B] -> right-padded (row b's tokens first)."""
     B, T = x.shape[:2]

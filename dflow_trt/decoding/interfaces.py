@@ -58,6 +58,24 @@ class Target(Protocol):
         order; drop the rest. None: the chain's first num_kept[b] slots."""
 
 
+class RowBatching(Protocol):
+    """Optional, on a target (over its caches) or a drafter (over its states) whose `joins_rows` is
+    True: rows joining and leaving a running batch between rounds (continuous batching;
+    `decoding.loop.DecodeBatch`). Neither may change a kept row's arithmetic."""
+
+    joins_rows: bool
+
+    def join(self, state: Any, other: Any) -> Any:
+        """`state`'s rows then `other`'s (both committed, none pending); `other` is consumed."""
+
+    def keep(self, state: Any, rows: torch.Tensor) -> Any:
+        """Only these rows [R] (long, in this order); the others' memory is freed."""
+
+
+def batches_rows(obj: Any) -> bool:
+    return bool(getattr(obj, "joins_rows", False))
+
+
 @dataclass
 class FlowState:
     """Verifier state at the previous round's rejected positions, aligned with the next block.
@@ -73,6 +91,10 @@ class FlowState:
     hint_ids: torch.Tensor  # [B, S] long (0 where not valid)
     valid: torch.Tensor  # [B, S] bool
     rows: int | None = None  # slots from here on are valid in no row, if the host knows it (None: ask `valid`)
+
+    def select(self, rows: torch.Tensor) -> "FlowState":
+        """These rows [R] only; `rows` stays a bound (the prefix of fewer rows is no longer)."""
+        return FlowState(self.taps[rows], self.token_ids[rows], self.hint_ids[rows], self.valid[rows], self.rows)
 
     def prefix(self) -> int:
         """How many leading slots hold any row's flow (decoding's flow is a prefix); a host read

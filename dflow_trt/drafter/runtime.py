@@ -27,6 +27,8 @@ class DrafterState:
 
 
 class TorchDrafter:
+    joins_rows = True
+
     def __init__(self, model: DFlowDrafter):
         self.model = model.eval()
         self.config = model.config
@@ -45,6 +47,20 @@ class TorchDrafter:
         return DrafterState(k=[empty() for _ in range(c.num_layers)], v=[empty() for _ in range(c.num_layers)],
                             lens=torch.zeros(batch_size, dtype=torch.long, device=self.device),
                             block_size=block_size or self.block_size, generator=generator)
+
+    def join(self, state: DrafterState, other: DrafterState) -> DrafterState:
+        """`state`'s rows then `other`'s (their context caches padded to the longer)."""
+        C = max(state.k[0].shape[2], other.k[0].shape[2])
+        pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, C - t.shape[2]))  # noqa: E731  [B, Hkv, C, D]
+        return DrafterState(k=[torch.cat([pad(a), pad(b)]) for a, b in zip(state.k, other.k)],
+                            v=[torch.cat([pad(a), pad(b)]) for a, b in zip(state.v, other.v)],
+                            lens=torch.cat([state.lens, other.lens]), block_size=state.block_size,
+                            generator=state.generator)
+
+    def keep(self, state: DrafterState, rows: torch.Tensor) -> DrafterState:
+        rows = rows.to(self.device)
+        return DrafterState(k=[t[rows] for t in state.k], v=[t[rows] for t in state.v], lens=state.lens[rows],
+                            block_size=state.block_size, generator=state.generator)
 
     def _append(self, st: DrafterState, taps: torch.Tensor, lens: torch.Tensor) -> None:
         N = taps.shape[1]

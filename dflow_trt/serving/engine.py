@@ -1,14 +1,17 @@
 """The decoding model's logic, without Triton: load back ends from config parameters, then run
 one request's draft -> verify -> carry-flow rounds, streaming each round's committed tokens.
 
-Every request gets its own target cache, drafter state and flow state (the loop creates them
-per call), so requests in flight at once share only the read-only weights. A request whose
-client cancels stops at the next round boundary and its state is dropped with the call.
+With `max_batch` > 1 and back ends that let rows join and leave a batch (PyTorch, static),
+concurrent requests decode in shared batches (`scheduler.py`); otherwise each request runs its own
+loop in its own thread. Either way every request has its own target cache rows, drafter state and
+flow state. A request whose client cancels stops at the next round boundary and its state is freed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,15 +20,19 @@ from typing import Any, Callable
 
 import torch
 
-from ..decoding.loop import RoundEvent, generate
+from ..decoding.loop import RoundEvent, can_batch, generate
 from ..loading import load_modes, open_build
 from ..targets import load_tokenizer
 from ..errors import UserError
 from .lifecycle import session_key, stopping
 from .requests import Busy, DecodeRequest, Limits, RequestError
+from .scheduler import Done, Scheduler
 
-BACKENDS = ("torch", "onnxruntime", "tensorrt_llm")
+BACKENDS = ("torch", "static", "onnxruntime", "tensorrt_llm")
 ORCHESTRATIONS = ("inprocess", "bls")
+
+
+_NO_LIMIT = contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -39,7 +46,9 @@ class ServeConfig:
     dflow_drafter: str = ""
     orchestration: str = "inprocess"  # bls: call the `target` and `drafter` Triton models
     max_tokens: int = 1024
-    max_concurrency: int = 8
+    max_concurrency: int = 8  # requests decoding at once without batching (max_batch 1, or back ends that cannot)
+    max_batch: int = 8  # rows decoding together in one batch; 1: every request alone (no batching)
+    max_queue: int = 64  # requests waiting for a batch row before the model answers busy
     threads: int = 0  # torch intra-op threads; 0 = torch's default
 
     @classmethod
@@ -61,6 +70,9 @@ class ServeConfig:
             if kw.get(k):
                 kw[k] = resolve_path(kw[k], repo_dir)
         cfg = cls(**kw)
+        if cfg.max_batch < 1 or cfg.max_queue < 0 or cfg.max_concurrency < 1:
+            raise UserError(f"parameters max_batch and max_concurrency must be >= 1 and max_queue >= 0, got "
+                            f"{cfg.max_batch}, {cfg.max_concurrency}, {cfg.max_queue}")
         if cfg.backend not in BACKENDS:
             raise UserError(f"parameter backend={cfg.backend!r}; use one of {', '.join(BACKENDS)}")
         if cfg.orchestration not in ORCHESTRATIONS:
@@ -110,6 +122,7 @@ class DecodingEngine:
         self._ids = itertools.count(1)
         self._remote, self._load_lock = remote, threading.Lock()
         self.vocab_size: int | None = None  # set by back ends without an `ar` Target
+        self.scheduler: Scheduler | None = None  # continuous batching (max_batch > 1, back ends that allow it)
         if cfg.orchestration == "bls":
             if remote is None:
                 raise UserError("orchestration=bls needs the Triton layer's BLS caller")
@@ -119,8 +132,11 @@ class DecodingEngine:
                 "`drafter` models at the first request)")
             return
         self.modes, self.tokenizer = self._load_inprocess()
+        batched = [m for m, x in self.modes.items() if x.llm is None and can_batch(x.target, x.drafter)]
+        if cfg.max_batch > 1 and batched:
+            self.scheduler = Scheduler(cfg.max_batch, cfg.max_queue, log)
         log(f"dflow engine ready: target={cfg.target} backend={cfg.backend} orchestration={cfg.orchestration} "
-            f"modes={','.join(self.modes)}")
+            f"modes={','.join(self.modes)} batching={','.join(batched) if self.scheduler else 'off'}")
 
     # ------------------------------------------------------------------ loading
 
@@ -261,11 +277,14 @@ class DecodingEngine:
                 return True
             return False
 
-        with self._sem:
+        batched = self.scheduler is not None and loaded.llm is None and can_batch(loaded.target, drafter)
+        with self._sem if not batched else _NO_LIMIT:
             with self._lock:
                 self._active[rid] = _Active(req.mode)
             try:
-                if loaded.llm is not None:
+                if batched:
+                    res = self._run_batched(loaded, prompt_ids, options, on_round, cancelled)
+                elif loaded.llm is not None:
                     from ..backends.tensorrt_llm import generate_llmapi
 
                     res = generate_llmapi(loaded.llm, prompt_ids, req.max_tokens, options.sampling, on_round=on_round)
@@ -283,7 +302,8 @@ class DecodingEngine:
                  "prefill_s": res.prefill_s, "draft_s": res.draft_s, "verify_s": res.verify_s, "total_s": res.total_s,
                  "tokens_per_s": len(tokens) / res.total_s if res.total_s > 0 else 0.0,
                  "block_size": (req.block_size or drafter.block_size) if drafter else loaded.block_size, "prompt_tokens": len(prompt_ids),
-                 "active_requests": self.active_requests, "backend": self.cfg.backend,
+                 "active_requests": self.active_requests, "batch_rows": res.batch_rows,
+                 "backend": self.cfg.backend, "scheduler": self.scheduler.state() if self.scheduler else None,
                  "orchestration": self.cfg.orchestration}
         if reason in ("cancelled", "shutdown"):
             self.log(f"request {rid} cancelled after {res.rounds} rounds ({reason}); its state is freed")
@@ -292,6 +312,42 @@ class DecodingEngine:
             rest = full[len(sent["text"]):] if full.startswith(sent["text"]) else ""
             emit(Chunk(token_ids=[], text=rest, final=True, stats=stats))
         return stats
+
+    def _run_batched(self, loaded: _Loaded, prompt_ids: list[int], options, on_round, cancelled):
+        """The request as a row of the scheduler's batch: its events feed `on_round` here, in the
+        request's thread; when that asks to stop (stop word, client gone, shutdown) the row leaves
+        at the next round boundary, and what it decoded past the stop is never sent."""
+        job = self.scheduler.submit(loaded.target, loaded.drafter, prompt_ids, options)
+        seen, stopped = 0, False
+        while True:
+            try:
+                ev = job.events.get(timeout=0.5)
+            except queue.Empty:
+                if not stopped and (cancelled() or stopping()):
+                    on_round(RoundEvent(seen, [[]]))  # records why, sends nothing
+                    job.cancel.set()
+                    stopped = True
+                continue
+            if isinstance(ev, Done):
+                if ev.error is not None:
+                    raise ev.error
+                res = ev.result
+                res.batch_rows = job.peak_rows
+                res.acceptance_lengths[0] = res.acceptance_lengths[0][:max(0, seen - 1)] if stopped else \
+                    res.acceptance_lengths[0]
+                res.rounds = len(res.acceptance_lengths[0])
+                return res
+            if stopped:
+                continue
+            if on_round(RoundEvent(seen, [ev])):
+                job.cancel.set()
+                stopped = True
+            seen += 1
+
+    def close(self) -> None:
+        """Free the scheduler's rows (running requests end as shut down)."""
+        if self.scheduler is not None:
+            self.scheduler.close()
 
     def _stop_cut(self, tokens: list[int], start: int, stop_words: list[str]) -> int | None:
         """Length to keep (through the first token at which a stop word appears), or None if none does."""

@@ -139,6 +139,7 @@ class DFlowModel:
         deadline = time.monotonic() + 3
         for t in list(self.threads):
             t.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.engine.close()
 
 
 class _StatelessModel:

@@ -19,7 +19,7 @@ from ..kernels import GROUPED_SDPA
 from ..decoding.interfaces import TargetInfo, TargetOutput
 from .slots import close_block, open_block, prompt_slots
 from ..errors import UserError
-from .kv_cache import new_kv_cache, reorder_last_slots
+from .kv_cache import GrowingLayer, join_kv, keep_kv, new_kv_cache, reorder_last_slots
 
 
 def default_tap_layers(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
@@ -99,6 +99,12 @@ class HFTarget:
                 and all(t == "full_attention" for t in (getattr(c, "layer_types", None) or ["full_attention"])))
 
     @property
+    def joins_rows(self) -> bool:
+        """Rows can join and leave a running batch (`join`/`keep`) when every layer is a plain
+        full-attention cache (a sliding window's ring buffer cannot be padded)."""
+        return all(t == "full_attention" for t in (getattr(self.model.config, "layer_types", None) or ["full_attention"]))
+
+    @property
     def device(self) -> torch.device:
         return self.model.device
 
@@ -170,3 +176,22 @@ class HFTarget:
         drop = close_block(cache, num_kept)
         if drop > 0:
             cache.kv.crop(-drop)
+
+    def join(self, cache: HFCache, other: HFCache) -> HFCache:
+        """`cache`'s rows then `other`'s, in one padded cache (slots past a row's own are masked)."""
+        assert cache.pending == 0 and other.pending == 0, "join committed caches only"
+        assert all(isinstance(la, GrowingLayer) for la in (*cache.kv.layers, *other.kv.layers))
+        Pa, Pb = cache.valid.shape[1], other.valid.shape[1]
+        P = max(Pa, Pb)
+        join_kv(cache.kv, other.kv, Pa, Pb)
+        pad = lambda v: torch.nn.functional.pad(v, (0, P - v.shape[1]))  # noqa: E731  [B, P] False
+        return HFCache(kv=cache.kv, valid=torch.cat([pad(cache.valid), pad(other.valid)]),
+                       next_pos=torch.cat([cache.next_pos, other.next_pos]))
+
+    def keep(self, cache: HFCache, rows: torch.Tensor) -> HFCache:
+        """Only these rows; trailing slots none of them uses are dropped."""
+        assert cache.pending == 0, "keep rows of a committed cache only"
+        rows = rows.to(self.device)
+        valid = cache.valid[rows]
+        used = int(valid.any(0).nonzero().max()) + 1 if valid.any() else 0
+        return HFCache(kv=keep_kv(cache.kv, rows, used), valid=valid[:, :used], next_pos=cache.next_pos[rows])

@@ -90,3 +90,22 @@ def reorder_last_slots(cache: DynamicCache, path: torch.Tensor) -> None:
             for t in (layer.keys, layer.values):  # [B, Hkv, T, D]
                 last = t[:, :, t.shape[2] - S:]
                 last.copy_(last.gather(2, path[:, None, :, None].expand(B, t.shape[1], S, t.shape[3])))
+
+
+def join_kv(a: DynamicCache, b: DynamicCache, Pa: int, Pb: int) -> DynamicCache:
+    """Stack b's rows under a's, each layer's slots padded at the end to the longer one's (the
+    padding slots are masked by the caller's validity mask). Full-attention layers only."""
+    P = max(Pa, Pb)
+    pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, P - t.shape[2]))  # noqa: E731  [B, Hkv, P, D]
+    with torch.inference_mode():
+        for la, lb in zip(a.layers, b.layers):
+            la.keys, la.values = torch.cat([pad(la.keys), pad(lb.keys)]), torch.cat([pad(la.values), pad(lb.values)])
+    return a
+
+
+def keep_kv(cache: DynamicCache, rows: torch.Tensor, slots: int) -> DynamicCache:
+    """Only rows [R] and the first `slots` slots of every layer."""
+    with torch.inference_mode():
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[rows, :, :slots], layer.values[rows, :, :slots]
+    return cache
