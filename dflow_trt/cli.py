@@ -158,9 +158,11 @@ def cmd_bench_serving(a: argparse.Namespace) -> int:
     check_output(str(bench.perf_analyzer_path(a.json_out)), "perf_analyzer input (--json-out)")
     if a.start and a.url:
         raise UserError("--start serves on its own address; pass --url or --start, not both")
-    return bench.run(a.url or (None if a.start else "127.0.0.1:8001"), a.start, a.model,
+    if a.unbatched_baseline and not a.start:
+        raise UserError("--unbatched-baseline serves its own two models: add --start")
+    return bench.run(a.url or (None if a.start else "127.0.0.1:8001"), a.start, [m for m in a.models.split(",") if m],
                      [m for m in a.modes.split(",") if m], a.concurrency, a.requests, a.max_tokens, a.dataset,
-                     a.json_out)
+                     a.json_out, a.unbatched_baseline)
 
 
 def cmd_bench_hints(a: argparse.Namespace) -> int:
@@ -379,7 +381,10 @@ def _add_bench(sub) -> None:
                                            "(requests/s, tokens/s, TTFT, inter-token latency)")
     sv.add_argument("--url", default=None, help="HOST:PORT of the gRPC endpoint (default 127.0.0.1:8001)")
     sv.add_argument("--start", action="store_true", help="start scripts/serve.py's server for the run")
-    sv.add_argument("--model", default="dflow")
+    sv.add_argument("--models", default="dflow", help="decoding models to compare, comma-separated (each point "
+                                                      "runs on each in turn)")
+    sv.add_argument("--unbatched-baseline", action="store_true",
+                    help="with --start: serve `dflow` and `dflow_alone` (max_batch 1) and compare them")
     sv.add_argument("--modes", default="ar,dflash,dflow")
     sv.add_argument("--concurrency", type=number_list(COUNT), default=[1, 2, 4, 8])
     sv.add_argument("--requests", type=COUNT, default=8, help="requests per point")

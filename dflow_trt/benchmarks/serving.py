@@ -19,9 +19,15 @@ def perf_analyzer_path(json_out: str | Path) -> Path:
     return out.with_name(out.stem + "_perf_analyzer_input.json")
 
 
-def run(url: str | None = "127.0.0.1:8001", start: bool = False, model: str = "dflow",
+UNBATCHED = "dflow_alone"  # the `dflow` model with max_batch 1: every request decodes alone
+
+
+def run(url: str | None = "127.0.0.1:8001", start: bool = False, models=("dflow",),
         modes=("ar", "dflash", "dflow"), concurrency=(1, 2, 4, 8), requests: int = 8, max_tokens: int = 32,
-        dataset: str = "mtbench", json_out: str = "docs/serving_load.json") -> int:
+        dataset: str = "mtbench", json_out: str = "docs/serving_load.json", unbatched_baseline: bool = False) -> int:
+    """Each (mode, concurrency) point runs on every model in turn, so models are compared within one
+    run. `unbatched_baseline` (with `start`): serve the default `dflow` model and `dflow_alone`, the
+    same with max_batch 1, from one server, and compare the two."""
     from ..evalsets import load_prompts
     from ..serving.client import health
     from ..serving.load import perf_analyzer_inputs, run_point, write_report
@@ -29,15 +35,25 @@ def run(url: str | None = "127.0.0.1:8001", start: bool = False, model: str = "d
     prompts = load_prompts(dataset)[:16]
     con = report.console()
     server = None
+    if unbatched_baseline:
+        if not start:
+            raise UserError("--unbatched-baseline serves its own two models: add --start")
+        models = (UNBATCHED, "dflow")
     if start:
-        from ..serving.server import start_server
+        from ..serving.repository import write_repository
+        from ..serving.server import DEFAULT_REPOSITORY, start_server
 
-        server = start_server(log_path="build/triton/server.log")
+        repo = DEFAULT_REPOSITORY
+        if unbatched_baseline:
+            repo = write_repository("build/triton/bench_repo", models=("dflow",),
+                                    variants={UNBATCHED: ("dflow", {"max_batch": "1"})})
+        server = start_server(repo, log_path="build/triton/server.log")
         url = server.grpc_url
     try:
-        if not health(url, "grpc", model):
-            raise UserError(f"no ready Triton server with the {model} model at {url} (grpc); start one with "
-                            f"`python scripts/serve.py` or pass --start")
+        for model in models:
+            if not health(url, "grpc", model):
+                raise UserError(f"no ready Triton server with the {model} model at {url} (grpc); start one with "
+                                f"`python scripts/serve.py` or pass --start")
         points, rows = [], []
 
         def pct(d):
@@ -45,13 +61,15 @@ def run(url: str | None = "127.0.0.1:8001", start: bool = False, model: str = "d
 
         for mode in modes:
             for c in concurrency:
-                p = run_point(url, prompts, mode, c, max(requests, c), max_tokens, model)
-                points.append(p)
-                con.print(f"{mode} × {c}: {p.output_tokens_per_s:.1f} tokens/s", style="dim")
-                rows.append([mode, c, f"{p.requests_per_s:.2f}", f"{p.output_tokens_per_s:.1f}", f"{p.tau:.2f}",
-                             pct(p.ttft_ms), pct(p.itl_ms)])
-        report.table(f"{model} at {url}: {max_tokens} tokens per request, {dataset} prompts",
-                     ["mode", "conc", "req/s", "tok/s", "tau", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms"], rows, con)
+                for model in models:
+                    p = run_point(url, prompts, mode, c, max(requests, c), max_tokens, model)
+                    points.append(p)
+                    con.print(f"{model} {mode} × {c}: {p.output_tokens_per_s:.1f} tokens/s", style="dim")
+                    rows.append([model, mode, c, f"{p.requests_per_s:.2f}", f"{p.output_tokens_per_s:.1f}",
+                                 f"{p.tau:.2f}", pct(p.ttft_ms), pct(p.itl_ms)])
+        report.table(f"{', '.join(models)} at {url}: {max_tokens} tokens per request, {dataset} prompts",
+                     ["model", "mode", "conc", "req/s", "tok/s", "tau", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms"],
+                     rows, con)
         for path in write_report(points, Path(json_out).with_suffix("")):
             con.print(f"wrote {path}")
         cmd = perf_analyzer_inputs(prompts, "dflow", max_tokens, perf_analyzer_path(json_out))

@@ -141,7 +141,12 @@ class DecodeBatch:
         options' seed) draws every sampled token of the batch; `rows` (None: `options` for all)
         gives each row its own length and stop tokens."""
         o = self.options = options
-        o.check_against(target, drafter, prompts)
+        if rows is None:
+            o.check_against(target, drafter, prompts)
+            rows = [o] * len(prompts)
+        else:  # each row against its own length
+            for r, p in zip(rows, prompts):
+                r.check_against(target, drafter, [p])
         self.target, self.drafter = target, drafter
         self.policy = policy_for(o.mode, o.verify_threshold, o.hint_trust, o.alternatives)
         self.block_size = o.block_size or (drafter.block_size if o.speculative else 1)
@@ -151,7 +156,6 @@ class DecodeBatch:
         lens = lens.to(out.logits.device)
         self.gen = o.sampling.generator(out.logits.device) if generator is None else generator
         self.anchor = pick(out.logits[:, -1], o.sampling, self.gen)  # [B]
-        rows = rows or [o] * len(prompts)
         self.log = Transcript(self.anchor, [r.max_new_tokens for r in rows],
                               [set(target.info.eos_token_ids if r.stop_token_ids is None else r.stop_token_ids)
                                for r in rows])

@@ -17,6 +17,7 @@ from .client import generate_grpc
 
 @dataclass
 class LoadPoint:
+    model: str
     mode: str
     concurrency: int
     requests: int
@@ -70,7 +71,7 @@ def run_point(url: str, prompts: list[str], mode: str, concurrency: int, request
             ttft.append(r.chunk_times[0])
             if len(r.token_ids) > 1:  # per-token gap after the first token (rounds deliver several at once)
                 itl.append((r.chunk_times[-1] - r.chunk_times[0]) / (len(r.token_ids) - 1))
-    return LoadPoint(mode, concurrency, len(results), dur, len(results) / dur, toks / dur,
+    return LoadPoint(model, mode, concurrency, len(results), dur, len(results) / dur, toks / dur,
                      float(np.mean(taus)) if taus else 0.0, _pct(ttft), _pct(itl), _pct(lat))
 
 
@@ -82,10 +83,10 @@ def write_report(points: list[LoadPoint], out: str | Path) -> list[Path]:
     out.with_suffix(".json").write_text(json.dumps({"points": rows}, indent=2) + "\n")
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["mode", "concurrency", "requests", "requests_per_s", "output_tokens_per_s", "tau",
+        w.writerow(["model", "mode", "concurrency", "requests", "requests_per_s", "output_tokens_per_s", "tau",
                     "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms"])
         for p in points:
-            w.writerow([p.mode, p.concurrency, p.requests, f"{p.requests_per_s:.3f}", f"{p.output_tokens_per_s:.2f}",
+            w.writerow([p.model, p.mode, p.concurrency, p.requests, f"{p.requests_per_s:.3f}", f"{p.output_tokens_per_s:.2f}",
                         f"{p.tau:.3f}", *(p.ttft_ms[k] for k in ("p50", "p90", "p99")),
                         *(p.itl_ms[k] for k in ("p50", "p90", "p99"))])
     import matplotlib
@@ -94,11 +95,12 @@ def write_report(points: list[LoadPoint], out: str | Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    for mode in dict.fromkeys(p.mode for p in points):
-        ps = [p for p in points if p.mode == mode]
-        ax[0].plot([p.concurrency for p in ps], [p.output_tokens_per_s for p in ps], "o-", label=mode)
-        ax[1].plot([p.concurrency for p in ps], [p.itl_ms["p90"] or 0 for p in ps], "o-", label=mode)
-    ax[0].set(xlabel="concurrency", ylabel="output tokens/s", title="throughput")
+    for model, mode in dict.fromkeys((p.model, p.mode) for p in points):
+        ps = [p for p in points if (p.model, p.mode) == (model, mode)]
+        label = f"{model} {mode}"
+        ax[0].plot([p.concurrency for p in ps], [p.output_tokens_per_s for p in ps], "o-", label=label)
+        ax[1].plot([p.concurrency for p in ps], [p.itl_ms["p90"] or 0 for p in ps], "o-", label=label)
+    ax[0].set(xlabel="concurrency", ylabel="output tokens/s", title="throughput", xscale="log", xticks=sorted({p.concurrency for p in points}), xticklabels=sorted({p.concurrency for p in points}))
     ax[1].set(xlabel="concurrency", ylabel="p90 inter-token latency (ms)", title="latency")
     ax[0].legend()
     fig.tight_layout()

@@ -75,7 +75,7 @@ output [
 DEFAULTS: dict[str, dict[str, str]] = {
     "dflow": {"target": "smollm2-135m", "backend": "torch", "build_dir": "", "dflash_drafter": "",
               "dflow_drafter": "", "orchestration": "inprocess", "max_tokens": "1024", "max_concurrency": "8",
-              "threads": "0"},
+              "max_batch": "8", "max_queue": "64", "threads": "0"},
     "dflow_bls": {"target": "smollm2-135m", "orchestration": "bls", "max_tokens": "1024", "max_concurrency": "8"},
     "target": {"target": "smollm2-135m", "backend": "torch", "build_dir": "", "drafter": "", "threads": "0",
                "max_sessions": "64", "session_idle_s": "30", "max_response_mb": "64"},
@@ -92,22 +92,28 @@ _ABOUT = {
 _ENTRY = {"dflow": "DFlowModel", "dflow_bls": "DFlowModel", "target": "TargetModel", "drafter": "DrafterModel"}
 
 
-def config_text(model: str, params: dict[str, str]) -> str:
+def config_text(model: str, params: dict[str, str], name: str | None = None) -> str:
+    """`model`'s config.pbtxt (kind: one of MODELS), served under `name` (default: the kind's)."""
     ps = "\n".join(f'parameters: {{ key: "{k}", value: {{ string_value: "{v}" }} }}' for k, v in params.items())
     return (f"# {_ABOUT[model]}\n# written by dflow_trt.serving.repository; parameters documented in docs/serving.md\n"
-            f'name: "{model}"\nbackend: "python"\nmax_batch_size: 0\n{_IO[model]}\n'
+            f'name: "{name or model}"\nbackend: "python"\nmax_batch_size: 0\n{_IO[model]}\n'
             f"instance_group [ {{ kind: KIND_CPU, count: 1 }} ]\n{ps}\n")
 
 
 def write_repository(dest: str | Path, overrides: dict[str, dict[str, str]] | None = None,
-                     models: tuple[str, ...] = MODELS) -> Path:
-    """Write a complete repository at dest (atomically: built aside, then renamed into place)."""
+                     models: tuple[str, ...] = MODELS, variants: dict[str, tuple[str, dict[str, str]]] | None = None
+                     ) -> Path:
+    """Write a complete repository at dest (atomically: built aside, then renamed into place).
+    `variants`: more models, {name: (kind, parameter overrides)}, e.g. an unbatched `dflow` beside
+    the batched one for a load comparison in one server."""
     overrides = overrides or {}
+    every = [(m, m, overrides.get(m, {})) for m in models]
+    every += [(name, kind, {**overrides.get(kind, {}), **over}) for name, (kind, over) in (variants or {}).items()]
     with atomic_dir(dest) as tmp:
-        for m in models:
-            (tmp / m / "1").mkdir(parents=True)
-            (tmp / m / "config.pbtxt").write_text(config_text(m, {**DEFAULTS[m], **overrides.get(m, {})}))
-            (tmp / m / "1" / "model.py").write_text(
-                f'"""Triton Python-backend entry for the `{m}` model; the logic lives in dflow_trt.serving."""\n\n'
-                f"from dflow_trt.serving.triton_python import {_ENTRY[m]} as TritonPythonModel  # noqa: F401\n")
+        for name, kind, over in every:
+            (tmp / name / "1").mkdir(parents=True)
+            (tmp / name / "config.pbtxt").write_text(config_text(kind, {**DEFAULTS[kind], **over}, name))
+            (tmp / name / "1" / "model.py").write_text(
+                f'"""Triton Python-backend entry for the `{name}` model; the logic lives in dflow_trt.serving."""\n\n'
+                f"from dflow_trt.serving.triton_python import {_ENTRY[kind]} as TritonPythonModel  # noqa: F401\n")
     return Path(dest)
