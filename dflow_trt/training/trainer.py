@@ -104,7 +104,7 @@ class TrainConfig:
         if self.precision not in ("auto", "fp32", "bf16"):
             raise UserError(f"unknown precision {self.precision!r}; use auto, fp32 or bf16")
         if self.device not in ("auto", "cpu", "cuda"):
-            raise UserError(f"unknown device {self.device!r}; use auto, cpu or cuda")
+            raise UserError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.states not in ("auto", "off"):
             raise UserError(f"unknown states setting {self.states!r}; use auto or off")
         if self.flow_lr_mult != 1.0 and self.objective != "dflow":
