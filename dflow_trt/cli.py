@@ -99,7 +99,7 @@ def cmd_bench_decode(a: argparse.Namespace) -> int:
         for m in a.modes.split(","):
             drafters[m] = a.drafter
     return run_bench(a.target, drafters, [m for m in a.modes.split(",") if m], a.dataset.split(","), a.num_prompts,
-                     a.chat, options, a.json_out, a.plot_out, a.first_prompt)
+                     a.chat, options, a.json_out, a.plot_out, a.first_prompt, a.device)
 
 
 def cmd_bench_round(a: argparse.Namespace) -> int:
@@ -223,15 +223,18 @@ def cmd_client(a: argparse.Namespace) -> int:
 
 
 def cmd_make_data(a: argparse.Namespace) -> int:
-    from .targets import load_target
-    from .training.data import generate_dataset
+    from .targets import check_device, load_target
+    from .training.data import generate_dataset, read_prompts_file
 
     check_output(a.data_dir, "data folder (--data-dir)", folder=True)
-    target = load_target(a.target, num_taps=0)
+    if a.prompts_file:
+        read_prompts_file(a.prompts_file)  # a bad file is refused before the target loads
+    target = load_target(a.target, num_taps=0, device=check_device(a.device))
     if target.tokenizer is None:
         raise UserError(f"{a.target} has no tokenizer to make text data with; use a checkpoint folder with one")
-    print(generate_dataset(target, a.data_dir, a.num_prompts, a.max_new_tokens, a.batch_size, seed=a.seed,
-                           first_prompt=a.first_prompt))
+    print(generate_dataset(target, a.data_dir, a.num_prompts, a.max_new_tokens, a.batch_size, a.shard_size or 64,
+                           seed=a.seed, first_prompt=a.first_prompt, prompts_file=a.prompts_file,
+                           max_minutes=a.max_minutes))
     return 0
 
 
@@ -301,6 +304,7 @@ def _add_bench(sub) -> None:
     b.add_argument("--max-new-tokens", type=COUNT, default=128)
     b.add_argument("--block-size", type=BLOCK, default=None)
     b.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the target and drafters run (fp32)")
     json_out(b, None, "the report (and a PNG plot beside it)")
     b.add_argument("--plot-out", default=None)
     _add_verify_threshold(b)
@@ -489,7 +493,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--data-dir", default="runs/data-smollm2")
     m.add_argument("--num-prompts", type=COUNT, default=1024)
     m.add_argument("--max-new-tokens", type=COUNT, default=128)
-    m.add_argument("--batch-size", type=COUNT, default=16)
+    m.add_argument("--batch-size", type=COUNT, default=16, help="prompts decoded together (at most --shard-size)")
+    m.add_argument("--shard-size", type=COUNT, default=None, help="sequences per data shard (default 64; a GPU "
+                                                                 "wants it as large as --batch-size)")
+    m.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    m.add_argument("--prompts-file", default=None, help="JSONL(.gz) of the prompts instead of building them here "
+                                                        "(written by `python -m dflow_trt.training.recipe pack`)")
+    m.add_argument("--max-minutes", type=number(float, 0), default=0.0,
+                   help="stop after the shard that passes this (0: none); a rerun goes on")
     m.add_argument("--seed", type=SEED, default=0)
     m.add_argument("--first-prompt", type=START, default=0,
                    help="start this far down the prompt order (fresh prompts for a fine-tune)")

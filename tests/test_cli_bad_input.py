@@ -144,6 +144,10 @@ def bad(tmp_path_factory, tiny_qwen3):
     (["make-data", *T, "--num-prompts", "0"], "--num-prompts"),
     (["make-data", *T, "--batch-size", "0"], "--batch-size"),
     (["make-data", *T, "--seed", "-3"], "--seed"),
+    (["make-data", *T, "--shard-size", "0"], "--shard-size"),
+    (["make-data", *T, "--max-minutes", "-1"], "--max-minutes"),
+    (["make-data", *T, "--device", "gpu"], "--device"),
+    (["bench", "decode", *T, "--device", "tpu"], "--device"),
     (["cache-states", *T, "--max-len", "0"], "--max-len"),
     (["cache-states", *T, "--num-taps", "0"], "--num-taps"),
     (["fp8-check", *T, "--calib-prompts", "-3"], "--calib-prompts"),
@@ -164,6 +168,8 @@ def test_numbers_out_of_range(capsys, argv, needle):
     (["--grad-clip", "0"], "--grad-clip"), (["--ckpt-every", "0"], "--ckpt-every"), (["--seed", "-1"], "--seed"),
     (["--num-layers", "0"], "--num-layers"), (["--draft-vocab-size", "0"], "--draft-vocab-size"),
     (["--threads", "-2"], "--threads"), (["--max-len", "1.5"], "--max-len"), (["--weight-decay", "nan"], "--weight-decay"),
+    (["--max-minutes", "-1"], "--max-minutes"), (["--max-shard-mb", "nan"], "--max-shard-mb"),
+    (["--device", "gpu"], "--device"),
 ])
 def test_train_flags_checked_before_any_work(capsys, monkeypatch, tmp_path, flags, needle):
     import dflow_trt.training.trainer as trainer

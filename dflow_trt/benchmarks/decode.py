@@ -24,6 +24,7 @@ from ..errors import UserError
 from ..evalsets import load_prompts
 from ..loading import load_modes
 from ..prompting import encode_prompts
+from ..targets import check_device
 from .report import console as wide_console, standard_error, write_json
 
 
@@ -175,7 +176,7 @@ def _plot(report: dict, path: Path) -> None:
 
 def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], datasets: list[str], num_prompts: int,
               chat: bool, options: DecodeOptions, json_out: str | None, plot_out: str | None = None,
-              first_prompt: int = 0) -> int:
+              first_prompt: int = 0, device: str = "cpu") -> int:
     console = wide_console()
     bad = [m for m in modes if m not in MODES]
     if bad:
@@ -188,7 +189,7 @@ def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], da
         texts[ds] = every[first_prompt:first_prompt + num_prompts]
         if not texts[ds]:
             raise UserError(f"{ds} has {len(every)} prompts; --first-prompt {first_prompt} leaves none to bench")
-    loaded, _ = load_target_and_drafter(target, None, "ar")
+    loaded, _ = load_target_and_drafter(target, None, "ar", device=check_device(device))
     max_new_tokens, verify_threshold = options.max_new_tokens, options.verify_threshold
     hint_trust, alternatives = options.hint_trust, options.alternatives
     ids = {ds: encode_prompts(loaded, t, chat, max_new_tokens,
@@ -200,7 +201,7 @@ def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], da
         per_dataset[name] = run_modes(target, drafters, modes, ids[ds], options,
                                       warn=lambda s: console.print(f"[yellow]{s}"), target=loaded, desc=name)
     merged = _merge(per_dataset)
-    report = {"target": target, "first_prompt": first_prompt, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "chat": chat,
+    report = {"target": target, "device": device, "first_prompt": first_prompt, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "chat": chat,
               "decoding": "greedy", "verify_threshold": verify_threshold, "hint_trust": hint_trust,
               "alternatives": alternatives, "modes": _summary(merged),
               "dflow_vs_dflash": _paired(merged),

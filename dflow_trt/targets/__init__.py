@@ -98,6 +98,13 @@ def load_target(spec: str, tap_layers: tuple[int, ...] | None = None, num_taps: 
     return HFTarget(model, name=spec, tap_layers=taps, tokenizer=tokenizer, eos_token_ids=_eos_ids(model, tokenizer))
 
 
+def check_device(device: str) -> str:
+    """`device` (cpu or cuda) when this machine has it; cuda without a GPU is one user error, never a traceback."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda but torch sees no CUDA GPU here; run on a GPU host or pass --device cpu")
+    return device
+
+
 def preset(name: str) -> TargetPreset | None:
     return PRESETS.get(name)
 

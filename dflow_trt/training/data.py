@@ -10,12 +10,18 @@ Generation is resumable: shards already written (complete, renamed into place) a
 set can grow: rerun with a larger `--num-prompts` (the prompt order is prefix-stable); complete
 shards are kept, a short last shard is regenerated whole. `first_prompt` > 0 starts the data set
 further down the same order (ids stay the prompts' own): fresh prompts for fine-tuning a drafter
-trained on the first ones.
+trained on the first ones. `prompts_file` reads the prompts from a JSONL(.gz) file written by
+`training/recipe.py pack` instead of building them: a GPU host then needs neither the packages the
+prompt pool reads nor the held-out sets' packages, and makes data from the very prompts the
+repository's own machine builds.
 """
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,30 +56,62 @@ def _chat(tokenizer, prompt: dict) -> list[int]:
                                          return_dict=True)["input_ids"]
 
 
+def read_prompts_file(path: Path) -> tuple[list[dict], str]:
+    """(prompts, sha256 of the file) of a JSONL or JSONL.gz file of {"id", "source", "prompt"[, "messages"]}."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+        text = (gzip.decompress(raw) if path.suffix == ".gz" else raw).decode("utf-8")
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except (OSError, EOFError, ValueError) as e:  # ValueError: not gzip, UTF-8 or JSON
+        raise UserError(f"cannot read prompts file {path} ({type(e).__name__}); write it with "
+                        f"`python -m dflow_trt.training.recipe pack`") from None
+    ok = all(isinstance(r, dict) and isinstance(r.get("id"), int) and isinstance(r.get("prompt"), str)
+             and isinstance(r.get("source"), str) for r in rows)
+    if not rows or not ok:
+        raise UserError(f"{path} is not a prompts file (JSON lines of id, source, prompt); write it with "
+                        f"`python -m dflow_trt.training.recipe pack`")
+    return rows, hashlib.sha256(raw).hexdigest()[:16]
+
+
+def _prompts(num_prompts: int, first_prompt: int, seed: int, prompts_file: Path | None) -> tuple[list[dict], str | None]:
+    if prompts_file is None:
+        have, sha = build_prompts(first_prompt + num_prompts, seed=seed), None
+    else:
+        have, sha = read_prompts_file(prompts_file)
+    prompts = have[first_prompt:first_prompt + num_prompts]
+    if not prompts:
+        raise UserError(f"the prompt set has {len(have)} prompts, so --first-prompt {first_prompt} leaves none; use "
+                        f"a smaller --first-prompt")
+    return prompts, sha
+
+
 def generate_dataset(target: HFTarget, out_dir: Path, num_prompts: int, max_new_tokens: int = 128,
                      batch_size: int = 16, shard_size: int = 64, heldout_every: int = 20, seed: int = 0,
-                     first_prompt: int = 0) -> Path:
+                     first_prompt: int = 0, prompts_file: Path | None = None, max_minutes: float = 0) -> Path:
+    """Make (or resume) the data set; with `max_minutes`, stop after the shard that passes that time
+    (the complete shards are the data set so far; a rerun goes on from there)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = out_dir / "manifest.json"
     if first_prompt < 0 or num_prompts < 1:
         raise UserError(f"--first-prompt must be >= 0 and --num-prompts >= 1 (got {first_prompt}, {num_prompts})")
-    prompts = build_prompts(first_prompt + num_prompts, seed=seed)[first_prompt:]
-    if not prompts:
-        raise UserError(f"the prompt set has {len(build_prompts(first_prompt, seed=seed))} prompts, so "
-                        f"--first-prompt {first_prompt} leaves none; use a smaller --first-prompt")
+    prompts, prompts_sha = _prompts(num_prompts, first_prompt, seed, prompts_file)
     settings = {"format": FORMAT, "target": target.info.name, "target_fingerprint": target.info.fingerprint,
                 "tokenizer_fingerprint": tokenizer_fingerprint(target.tokenizer), "max_new_tokens": max_new_tokens,
                 "decoding": "greedy", "num_prompts": len(prompts), "seed": seed, "shard_size": shard_size,
                 "heldout_every": heldout_every, "first_prompt": first_prompt}
+    if prompts_sha:  # recorded only when given, so data sets made before the option compare equal
+        settings["prompts_file_sha256"] = prompts_sha
     if manifest_path.exists():
         old = json.loads(manifest_path.read_text())
         old.setdefault("tokenizer_fingerprint", settings["tokenizer_fingerprint"])  # caches made before it was recorded
         old.setdefault("shard_size", 64)  # likewise (64 was the only size then)
         old.setdefault("first_prompt", 0)  # likewise (data sets started at the first prompt)
-        differ = [k for k in settings if k != "num_prompts" and old.get(k) != settings[k]]
+        keys = [*settings, *({"prompts_file_sha256"} - settings.keys())]
+        differ = [k for k in keys if k != "num_prompts" and old.get(k) != settings.get(k)]
         if differ:
-            what = ", ".join(f"{k}: {old.get(k)} vs {settings[k]}" for k in differ)
+            what = ", ".join(f"{k}: {old.get(k)} vs {settings.get(k)}" for k in differ)
             raise UserError(f"{out_dir} holds data made with other settings ({what}); use another --data-dir or "
                             f"delete it")
         if old["num_prompts"] > len(prompts):  # the order is prefix-stable, so a data set may grow, never shrink
@@ -87,7 +125,11 @@ def generate_dataset(target: HFTarget, out_dir: Path, num_prompts: int, max_new_
                 "sources": sorted({p["source"] for p in prompts})}
     write_text(manifest_path, json.dumps(manifest, indent=1))
     bar = tqdm(total=len(prompts), initial=len(prompts) - sum(len(chunks[i]) for i in todo), desc="generating", unit="seq")
-    for i in todo:
+    t0 = time.perf_counter()
+    for n, i in enumerate(todo):
+        if max_minutes and time.perf_counter() - t0 > 60 * max_minutes:
+            bar.write(f"stopped after {n} of {len(todo)} shards to make: --max-minutes {max_minutes:g} passed")
+            break
         chunk = chunks[i]
         lines = []
         for j in range(0, len(chunk), batch_size):

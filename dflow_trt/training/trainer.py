@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from ..atomic import atomic_file, claim_dir
 from ..drafter.defaults import untrained_config
-from ..drafter.io import build_drafter, load_drafter, save_drafter
+from ..drafter.io import build_drafter, load_drafter, save_drafter, shard_groups
 from ..drafter.model import DFlowDrafter
 from ..errors import UserError
 from ..targets import load_target
@@ -66,6 +66,9 @@ class TrainConfig:
     states: str = "auto"  # auto: read <data_dir>/states when it fits this run (`dflow-trt cache-states`); off
     precision: str = "auto"  # the drafter's passes: auto (bf16 autocast where the CPU/GPU has native bf16, else fp32) | fp32 | bf16
     init_from: str = ""  # a saved drafter to fine-tune (or a DFlash one to start a DFlow run): its weights and log; steps count on from its last step
+    device: str = "auto"  # auto: a GPU per process where there are enough, else the CPU | cpu | cuda (refused without one)
+    max_minutes: float = 0.0  # 0: none; else stop (and save the drafter) at the first step past this wall time
+    max_shard_mb: float = 0.0  # 0: one model.safetensors; else weight shards of at most this many MiB each
 
     # each number's range, (least, most, least excluded): checked for flags and --config files alike,
     # before any work (a zero gamma or a NaN learning rate would train NaN weights; 0 steps, none)
@@ -74,7 +77,7 @@ class TrainConfig:
               "num_layers": (1, None), "num_taps": (1, None), "draft_vocab_size": (1, None), "max_len": (2, None),
               "lr": (0, 1, True), "flow_lr_mult": (0, None, True), "warmup_frac": (0, 1), "weight_decay": (0, 1),
               "grad_clip": (0, None, True), "eval_every": (1, None), "eval_seqs": (1, None), "ckpt_every": (1, None),
-              "seed": (0, 2**32 - 1), "threads": (0, None)}
+              "seed": (0, 2**32 - 1), "threads": (0, None), "max_minutes": (0, None), "max_shard_mb": (0, None)}
 
     def _check_types_and_ranges(self) -> None:
         for f in fields(self):
@@ -100,6 +103,8 @@ class TrainConfig:
             raise UserError(f"unknown objective {self.objective!r}; use dflash or dflow")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise UserError(f"unknown precision {self.precision!r}; use auto, fp32 or bf16")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise UserError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.states not in ("auto", "off"):
             raise UserError(f"unknown states setting {self.states!r}; use auto or off")
         if self.flow_lr_mult != 1.0 and self.objective != "dflow":
@@ -253,7 +258,8 @@ def _run_identity(cfg: dict) -> dict:
     """Settings a resumed run must share (steps may grow; logging cadence may change)."""
     cfg = {**cfg, "flow_lr_mult": cfg.get("flow_lr_mult", 1.0),  # checkpoints from before the fields existed
            "precision": cfg.get("precision", "auto")}
-    return {k: v for k, v in cfg.items() if k not in ("steps", "eval_every", "ckpt_every", "threads", "eval_seqs", "states")}
+    return {k: v for k, v in cfg.items() if k not in ("steps", "eval_every", "ckpt_every", "threads", "eval_seqs", "states",
+                                                      "device", "max_minutes", "max_shard_mb")}
 
 
 def _init_from(path: str, target: HFTarget, drafter: DFlowDrafter, cfg: TrainConfig) -> tuple[list, int]:
@@ -301,6 +307,14 @@ def earlier_stages(src: Path) -> list[dict]:
     read = lambda name: json.loads((src / name).read_text()) if (src / name).is_file() else None  # noqa: E731
     return (read(EARLIER) or []) + [{"training_config": read("training_config.json"),
                                      "data_manifest": read("data_manifest.json")}]
+
+
+def _out_of_time(cfg: TrainConfig, elapsed_s: float, distributed: bool) -> bool:
+    """Whether `max_minutes` have passed, by rank 0's clock so that every rank stops at the same step."""
+    over = torch.tensor([float(elapsed_s > 60 * cfg.max_minutes)])
+    if distributed:
+        dist.broadcast(over, 0)
+    return bool(over.item())
 
 
 def _gather_states(rng_state, gen_state, distributed: bool, world: int) -> list:
@@ -356,11 +370,22 @@ def evaluate(obj: Objective, heldout: list[Sequence], cfg: TrainConfig) -> dict:
     return out
 
 
+def _on_gpu(device: str) -> bool:
+    """One GPU per process (NCCL refuses two ranks on one GPU); with fewer GPUs than processes, CPU +
+    gloo, unless `device` is cuda, which is then refused rather than quietly run on the CPU."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    enough = torch.cuda.is_available() and world <= torch.cuda.device_count()
+    if device == "cuda" and not enough:
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise UserError(f"--device cuda needs a CUDA GPU per process ({world} asked, {have} here); run on a GPU "
+                        f"host or pass --device cpu")
+    return enough and device != "cpu"
+
+
 def train(cfg: TrainConfig) -> Path:
     """Train (or resume) a drafter; returns the folder of the saved drafter."""
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    # One GPU per process (NCCL refuses two ranks on one GPU); with fewer GPUs than processes, CPU + gloo.
-    on_gpu = torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", 1)) <= torch.cuda.device_count()
+    on_gpu = _on_gpu(cfg.device)
     if distributed and not dist.is_initialized():
         dist.init_process_group("nccl" if on_gpu else "gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
@@ -387,6 +412,8 @@ def train(cfg: TrainConfig) -> Path:
     dcfg = type(dcfg)(**{**dcfg.__dict__, "draft_vocab_size": cfg.draft_vocab_size,
                          "extra": {"name": f"{cfg.target}-{cfg.objective}", "objective": cfg.objective}})
     drafter = build_drafter(probe, dcfg, seed=cfg.seed)
+    if cfg.max_shard_mb:  # a tensor too large for one shard is refused now, not after the training
+        shard_groups(drafter.state_dict(), int(cfg.max_shard_mb * 2**20))
     out.mkdir(parents=True, exist_ok=True)
     step, log, base = 0, [], 0
     if ck is not None:
@@ -417,7 +444,8 @@ def train(cfg: TrainConfig) -> Path:
     mine = train_seqs[rank::world]
     bar = tqdm(total=cfg.steps, initial=step, desc=f"train {cfg.objective}", disable=rank != 0)
     t0 = time.perf_counter()
-    while step < cfg.steps:
+    out_of_time = False
+    while step < cfg.steps and not out_of_time:
         for g, mult in zip(opt.param_groups, lr_mults):
             g["lr"] = _lr_at(step, cfg, base) * mult
         batch = _collate(rng.sample(mine, min(cfg.seqs_per_step, len(mine))), cfg.max_len)
@@ -431,13 +459,16 @@ def train(cfg: TrainConfig) -> Path:
                "train_tau_noflow": 1 + first.accepted.float().mean().item(), "elapsed_s": time.perf_counter() - t0}
         if second is not None:
             rec["train_tau_flow"] = 1 + second.accepted.float().mean().item()
-        if rank == 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
+        out_of_time = bool(cfg.max_minutes) and _out_of_time(cfg, rec["elapsed_s"], distributed)
+        if out_of_time:
+            rec["stopped"] = f"max_minutes {cfg.max_minutes:g} passed at step {step} of {cfg.steps}"
+        if rank == 0 and (step % cfg.eval_every == 0 or step == cfg.steps or out_of_time):
             rec.update({f"eval_{k}": v for k, v in evaluate(obj, heldout, cfg).items()}, train_seqs=len(train_seqs))
             bar.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()}))
         log.append(rec)
         bar.update(1)
         bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['train_tau_noflow']:.2f}")
-        if step % cfg.ckpt_every == 0 or step == cfg.steps:
+        if step % cfg.ckpt_every == 0 or step == cfg.steps or out_of_time:
             states = _gather_states(rng.getstate(), gen.get_state(), distributed, world)
             if rank == 0:
                 _save_ckpt(ckpt_path, {"config": asdict(cfg), "world": world, "step": step, "base": base, "log": log,
@@ -451,7 +482,8 @@ def train(cfg: TrainConfig) -> Path:
                  "data_manifest.json": (Path(cfg.data_dir) / "manifest.json").read_text()}
         if cfg.init_from:
             files[EARLIER] = json.dumps(earlier_stages(Path(cfg.init_from)), indent=1) + "\n"
-        save_drafter(drafter, final, extra_files=files)
+        save_drafter(drafter, final, extra_files=files,
+                     max_shard_bytes=int(cfg.max_shard_mb * 2**20) if cfg.max_shard_mb else None)
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
