@@ -13,10 +13,18 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import assert_greedy_equivalent, chat_ids, chat_prompts, run_cli
 from doubles import PartlyRight, rounds
-from dflow_trt.decoding.flow import carry_flow
+from test_training_matches_inference import (  # noqa: F401
+    _anchors,
+    _batch,
+    _close,
+    _decode,
+    _same_flow,
+    _train_pass,
+    seqs,
+)
+
 from dflow_trt.decoding.interfaces import FlowState
 from dflow_trt.decoding.loop import generate
 from dflow_trt.decoding.options import DecodeOptions
@@ -27,7 +35,6 @@ from dflow_trt.drafter.runtime import TorchDrafter
 from dflow_trt.errors import UserError
 from dflow_trt.targets import SHIPPED_DRAFTERS
 from dflow_trt.training.trainer import Objective, TrainConfig
-from test_training_matches_inference import _anchors, _batch, _close, _decode, _same_flow, _train_pass, seqs  # noqa: F401
 
 S = 5  # test_training_matches_inference's block size (its helpers decode with it)
 
@@ -177,7 +184,7 @@ def test_paper_relay_decode_is_lossless_and_takes_the_relay(tiny_qwen3, monkeypa
             return out
 
         calls = []
-        hook = m.relay_mlp.register_forward_hook(lambda mod, i, o: calls.append(o.shape))
+        hook = m.relay_mlp.register_forward_hook(lambda mod, i, o, calls=calls: calls.append(o.shape))
         monkeypatch.setattr(DFlowDrafter, "block_inputs", spy)
         for trust in (0.0, 0.5):  # verifier hints off and at their default
             res = generate(tiny_qwen3, PartlyRight(TorchDrafter(m), seqs_, seed=block), prompts,
