@@ -29,6 +29,20 @@ def _check_fields(obj, counts: tuple[str, ...], texts: tuple[str, ...] = (), pos
             raise UserError(f"drafter config field {name} must be {want}, got {v!r}")
 
 
+# How a DFlow drafter takes last round's verifier states (docs/history/2026-12-07-paper-relay.md):
+RELAYS = {
+    # ours (the default, the shipped drafters): a flow branch of its own (`flow_proj` + RMSNorm, the
+    # rejected token's embedding, present/absent vectors, the verifier's argmax one slot later) added
+    # to every block slot's input (`relay.relay`)
+    "ours": "own flow projection, rejected-token and hint embeddings added to each slot",
+    # paper (the DFlow paper, arXiv 2609.06498): the states go through the drafter's own context
+    # projection (`ctx_proj` + `ctx_norm`), shifted one slot onto the next block's unresolved slots,
+    # and an MLP over (correction-token embedding, first rejected token's embedding, relayed state)
+    # gives a per-channel scale and shift of the mask-token embedding there (`relay.relay_paper`)
+    "paper": "context projection, shifted one slot, MLP scale/shift of the mask embedding",
+}
+
+
 @dataclass(frozen=True)
 class TargetRef:
     """The target a drafter belongs to; loading it against another target is refused."""
@@ -54,6 +68,7 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
     flow: bool = True  # DFlow: condition on last round's verifier states at rejected positions
+    relay: str = "ours"  # how flow reaches the drafter (flow only): RELAYS
     draft_vocab_size: int | None = None  # reduced draft vocabulary (None: the target's)
     extra: dict = field(default_factory=dict)  # free-form provenance (training run, etc.)
 
@@ -64,6 +79,9 @@ class DrafterConfig:
         if not isinstance(self.flow, bool) or not isinstance(self.extra, dict):
             raise UserError(f"drafter config field flow must be true or false and extra an object, got "
                             f"{self.flow!r} and {type(self.extra).__name__}")
+        if not isinstance(self.relay, str) or self.relay not in RELAYS or (self.relay != "ours" and not self.flow):
+            raise UserError(f"drafter config field relay must be one of {sorted(RELAYS)} ('paper' needs flow "
+                            f"true), got {self.relay!r} with flow {self.flow!r}")
         if any(not _is_int(t) or t < 0 for t in self.tap_layers) or not _is_int(self.mask_token_id) or (
                 self.draft_vocab_size is not None and not _is_int(self.draft_vocab_size)):
             raise UserError("drafter config fields tap_layers, mask_token_id and draft_vocab_size must be "
@@ -91,6 +109,8 @@ class DrafterConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["tap_layers"] = list(self.tap_layers)
+        if d["relay"] == "ours":  # today's drafters' config.json (and every hash of it) stay as they were
+            del d["relay"]
         return d
 
     @classmethod
@@ -105,6 +125,12 @@ class DrafterConfig:
         ref = TargetRef(info.name, info.fingerprint, info.vocab_size, info.hidden_size, info.num_layers)
         kw.setdefault("tap_layers", info.tap_layers)
         return cls(target=ref, mask_token_id=mask_token_id, **kw)
+
+    def check_exportable(self, what: str) -> None:
+        """Refuse `what` (an export) for the paper's relay, which only the PyTorch drafter runs."""
+        if self.relay != "ours":
+            raise UserError(f"{what} supports the shipped relay only; this drafter uses relay {self.relay!r} (the "
+                            f"DFlow paper's), which runs on the PyTorch back end only (--backend torch or static)")
 
     def check_target(self, info: TargetInfo) -> None:
         """Refuse a target other than the one this drafter was built for, naming the fix."""

@@ -13,6 +13,12 @@ learned "flow present" vector; other positions get a learned "no flow" vector. T
 argmax at flow slot j is its guess for the token at slot j+1, so its embedding (scaled by a
 learned gate) is added one position later; with tied embeddings that is nearly a free draft the
 drafter learns when to trust. With `flow=False` none of these parameters exist: plain DFlash.
+
+`relay="paper"` (with `flow=True`) is the DFlow paper's relay instead (`relay.relay_paper`): the
+verifier states go through the drafter's own context projection, shifted one slot onto the mask
+slots, where `relay_mlp` turns (correction token, first rejected token, relayed state) into a
+per-channel scale and shift of the mask embedding. Its last layer starts at zero, so a new paper
+drafter drafts exactly as its DFlash weights do; slots without flow are plain DFlash inputs.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from torch import nn
 from .. import kernels
 from ..decoding.interfaces import FlowState
 from .config import DrafterConfig
-from .relay import FlowParams, relay
+from .relay import FlowParams, PaperRelayParams, relay, relay_paper
 
 
 class RMSNorm(nn.Module):
@@ -115,7 +121,10 @@ class DFlowDrafter(nn.Module):
         self.ctx_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(Layer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        if c.flow:
+        if c.flow and c.relay == "paper":
+            H = c.hidden_size
+            self.relay_mlp = nn.Sequential(nn.Linear(3 * H, H, bias=False), nn.SiLU(), nn.Linear(H, 2 * H, bias=False))
+        elif c.flow:
             self.flow_proj = nn.Linear(c.feature_size, c.hidden_size, bias=False)
             self.flow_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
             self.flow_tok_proj = nn.Linear(c.hidden_size, c.hidden_size, bias=False)
@@ -131,18 +140,30 @@ class DFlowDrafter(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=std)
+        if hasattr(self, "relay_mlp"):
+            self.silence_flow()
 
     FLOW_BRANCH = ("flow_proj", "flow_norm", "flow_tok_proj", "flow_present", "no_flow", "hint_gate")
+    PAPER_BRANCH = ("relay_mlp",)  # relay="paper": its own parameters (the projection is the context's)
+
+    def relay_branch(self) -> tuple[str, ...]:
+        """Names of this drafter's relay parameters (none for DFlash)."""
+        return self.PAPER_BRANCH if self.config.relay == "paper" else self.FLOW_BRANCH
 
     def flow_parameters(self) -> list[nn.Parameter]:
         """The flow branch's own parameters (none for DFlash)."""
-        return [p for n, p in self.named_parameters() if n.split(".")[0] in self.FLOW_BRANCH]
+        return [p for n, p in self.named_parameters() if n.split(".")[0] in self.relay_branch()]
 
     @torch.no_grad()
     def silence_flow(self) -> None:
         """Make the flow branch add exactly zero, so this DFlow drafter computes what its DFlash
         weights alone do; training grows the branch from there (every piece still has a gradient:
-        the norm's gain, the token projection and the hint gate start at zero, not the inputs)."""
+        the norm's gain, the token projection and the hint gate start at zero, not the inputs).
+        The paper's relay: the MLP's last layer starts at zero (scale and shift 0), its first keeps
+        its random start."""
+        if hasattr(self, "relay_mlp"):
+            self.relay_mlp[-1].weight.zero_()
+            return
         for t in (self.flow_norm.weight, self.flow_tok_proj.weight, self.hint_gate, self.flow_present, self.no_flow):
             t.zero_()
 
@@ -163,16 +184,21 @@ class DFlowDrafter(nn.Module):
         return [layer.self_attn.kv(x, ctx_pos) for layer in self.layers]
 
     def block_inputs(self, block_ids: torch.Tensor, flow: FlowState | None = None,
-                     flow_rows: int | None = None) -> torch.Tensor:
+                     flow_rows: int | None = None, block: int | None = None) -> torch.Tensor:
         """Embeddings of block tokens [B, Q] plus flow conditioning (fields [B, Q, ...]) -> [B, Q, H].
 
-        Q may hold several blocks side by side (training): a block's last slot never carries flow,
-        so shifting hints by one position never leaks into the next block. `flow_rows`: no slot
-        from there on is valid in any row (decoding knows this), so the flow projections skip them.
+        Q may hold several blocks side by side (training), `block` slots each (None: one block):
+        a block's last slot never carries flow, so shifting hints by one position never leaks into
+        the next block. `flow_rows`: no slot from there on is valid in any row (decoding knows
+        this), so the flow projections skip them.
         """
         x = F.embedding(block_ids, self.embed_weight)  # [B, Q, H]
         if not self.config.flow:
             return x
+        if self.config.relay == "paper":
+            if flow is None:
+                return x
+            return relay_paper(x, flow.taps, flow.token_ids, flow.valid, self.paper_relay_params(), block, flow_rows)
         if flow is None:
             return x + self.no_flow
         return relay(x, flow.taps, flow.token_ids, flow.hint_ids, flow.valid, self.flow_params(), flow_rows)
@@ -183,6 +209,12 @@ class DFlowDrafter(nn.Module):
                           present=self.flow_present, absent=self.no_flow, hint_gate=self.hint_gate,
                           embed=functools.partial(F.embedding, weight=self.embed_weight),
                           tap_dtype=self.flow_proj.weight.dtype)
+
+    def paper_relay_params(self) -> PaperRelayParams:
+        """The paper's relay as `relay_paper` takes it: the context projection and `relay_mlp`."""
+        return PaperRelayParams(proj=self.ctx_proj, norm=self.ctx_norm, mlp=self.relay_mlp,
+                                embed=functools.partial(F.embedding, weight=self.embed_weight),
+                                tap_dtype=self.ctx_proj.weight.dtype)
 
     def hidden(self, x: torch.Tensor, pos: torch.Tensor, ctx_kv, mask: torch.Tensor,
                rows: slice = slice(None)) -> torch.Tensor:

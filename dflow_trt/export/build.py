@@ -157,6 +157,8 @@ class Build:
                            lambda p=p, mode=mode: save_drafter(build_drafter(
                                base, untrained_config(base, flow=(mode == "dflow"))), p))
         configs = {k: read_config(p) for k, p in paths.items()}
+        for c in configs.values():
+            c.check_exportable("dflow-trt build")
         taps = {c.tap_layers for c in configs.values()}
         if len(taps) != 1:
             raise UserError(f"the drafters read different target layers {sorted(taps)}; build them separately "

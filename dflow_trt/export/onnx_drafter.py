@@ -86,6 +86,7 @@ def example_inputs(model: DFlowDrafter, B: int = 2, N: int = 3, C: int = 4, S: i
 def export_drafter(model: DFlowDrafter, out_dir: str | Path, opset: int = 18) -> Path:
     """Write `drafter.onnx` (+ external data) and `drafter_meta.json` into out_dir, atomically."""
     c = model.config
+    c.check_exportable("the ONNX drafter export")
     graph = DrafterGraph(model.eval()).eval()
     inputs = example_inputs(model)
     in_names, out_names = io_names(c.num_layers, c.flow)

@@ -11,7 +11,8 @@ frozen target runs on [x_L, d_1..d_{S-1}] against the cached prefix K/V — ever
 batched pass with a 4D mask (prefix < L_i, causal inside the block) — which gives the verifier's
 states at the predicted positions and the accepted length a; (3) the next round's block starts at
 L + a + 1 with those verifier states at the rejected slots as flow (`carry_flow`, the same
-function inference uses); the loss covers both predictions.
+function inference uses); the loss covers both predictions. The paper's relay (`--relay paper`)
+unrolls one more such round by default (`trainer.flow_rounds`).
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def drafter_blocks(model: DFlowDrafter, taps: torch.Tensor | DrafterContext, bat
     if flow is not None:  # [N*nb, S] -> [N, nb*S], the blocks side by side
         flow = FlowState(taps=flow.taps.view(N, nb * S, -1), token_ids=flow.token_ids.view(N, -1),
                          hint_ids=flow.hint_ids.view(N, -1), valid=flow.valid.view(N, -1))
-    x = model.block_inputs(block.flatten(1), flow)  # [N, nb*S, H]
+    x = model.block_inputs(block.flatten(1), flow, block=S)  # [N, nb*S, H]
     # Attention in groups of g blocks, each group a batch row of its own with the context K/V: a
     # block sees only the context and itself, so keys of other groups are masked out anyway, and
     # the scores shrink from nb*S x (T + nb*S) to nb*S x (T + g*S) per sequence.

@@ -47,6 +47,8 @@ class TrainConfig:
     seqs_per_step: int = 4
     anchors_per_seq: int = 16
     flow_anchors_per_seq: int = 0  # DFlow: blocks per sequence that get the self-conditioned round (0: all)
+    relay: str = "ours"  # DFlow: ours | paper (the DFlow paper's relay, DrafterConfig.relay)
+    flow_rounds: int = 0  # DFlow: reject-conditioned rounds after the masked one (0: the relay's own; ours 1, paper 2)
     block_size: int = 16
     gamma: float = 7.0  # block position k's loss weight is exp(-(k-1)/gamma): DFlash's 7; 1.5 did better for weak drafters (docs/history/2026-12-drafters.md, stage 4)
     num_layers: int = 1
@@ -73,7 +75,8 @@ class TrainConfig:
     # each number's range, (least, most, least excluded): checked for flags and --config files alike,
     # before any work (a zero gamma or a NaN learning rate would train NaN weights; 0 steps, none)
     RANGES = {"steps": (1, None), "seqs_per_step": (1, None), "anchors_per_seq": (1, None),
-              "flow_anchors_per_seq": (0, None), "block_size": (2, None), "gamma": (0, None, True),
+              "flow_anchors_per_seq": (0, None), "flow_rounds": (0, None), "block_size": (2, None),
+              "gamma": (0, None, True),
               "num_layers": (1, None), "num_taps": (1, None), "draft_vocab_size": (1, None), "max_len": (2, None),
               "lr": (0, 1, True), "flow_lr_mult": (0, None, True), "warmup_frac": (0, 1), "weight_decay": (0, 1),
               "grad_clip": (0, None, True), "eval_every": (1, None), "eval_seqs": (1, None), "ckpt_every": (1, None),
@@ -109,6 +112,10 @@ class TrainConfig:
             raise UserError(f"unknown states setting {self.states!r}; use auto or off")
         if self.flow_lr_mult != 1.0 and self.objective != "dflow":
             raise UserError("--flow-lr-mult applies to the flow branch, which only --objective dflow has")
+        if self.relay not in ("ours", "paper"):
+            raise UserError(f"unknown relay {self.relay!r}; use ours or paper")
+        if (self.relay != "ours" or self.flow_rounds) and self.objective != "dflow":
+            raise UserError("--relay and --flow-rounds apply to the flow rounds, which only --objective dflow has")
 
     @classmethod
     def from_file(cls, path: str, **overrides) -> "TrainConfig":
@@ -133,9 +140,16 @@ class Objective(nn.Module):
         self.drafter, self.target, self.cfg, self.cache = drafter, target, cfg, cache
         self.register_buffer("to_draft", _to_draft(drafter, target.info.vocab_size), persistent=False)
         self.compute_dtype = compute_dtype(getattr(cfg, "precision", "fp32"))
+        self.flow_stats: list = []  # each flow round's BlockStats of the last forward (DFlow)
 
     def forward(self, batch: Batch, gen: torch.Generator):
-        """-> (loss, stats of the first prediction, stats of the flow-conditioned one or None)."""
+        """-> (loss, stats of the first prediction, stats of the first flow-conditioned one or None).
+
+        DFlow unrolls `rounds` reject-conditioned rounds after the masked one (ours 1, the paper's
+        relay 2): each verifies the previous round's proposals with the frozen target and starts
+        after its first mismatch, with the verifier's states as flow; the losses are summed. No
+        gradient crosses a round (proposals are argmax ids, the flow comes from the target under
+        no_grad) or reaches the target. Every flow round's stats: `self.flow_stats`."""
         c, m = self.cfg, self.drafter
         dflow = c.objective == "dflow"
         taps, kv = target_states(self.target, batch, keep_cache=dflow, cache=self.cache)
@@ -146,23 +160,35 @@ class Objective(nn.Module):
             logits = drafter_blocks(m, ctx, batch, anchors, None)
         first = block_loss(m, logits, labels, c.gamma, self.to_draft)
         if not dflow:
+            self.flow_stats = []
             return first.loss, first, None
         k = c.flow_anchors_per_seq or anchors.shape[1]  # anchors are random: the first k are a random subset
         anchors, labels = anchors[:, :k], labels[:, :k]
         pred = first.pred if first.pred is not None else logits.argmax(-1)
         drafts = m.draft_vocab[pred[:, :k]]  # [N, k, S-1] what the drafter would propose
-        flow, accepted = verifier_flow(self.target, kv, batch, anchors, drafts, labels)
-        anchors2 = anchors + accepted + 1  # the next round's block starts after the bonus token
-        labels2 = _labels(batch, anchors2, c.block_size)
-        with self._autocast():
-            logits2 = drafter_blocks(m, ctx, batch, anchors2, flow)
-        second = block_loss(m, logits2, labels2, c.gamma, self.to_draft)
-        return first.loss + second.loss, first, second
+        loss, self.flow_stats = first.loss, []
+        for r in range(flow_rounds(c)):
+            flow, accepted = verifier_flow(self.target, kv, batch, anchors, drafts, labels)
+            anchors = anchors + accepted + 1  # the next round's block starts after the bonus token
+            labels = _labels(batch, anchors, c.block_size)
+            with self._autocast():
+                logits = drafter_blocks(m, ctx, batch, anchors, flow)
+            st = block_loss(m, logits, labels, c.gamma, self.to_draft)
+            loss = loss + st.loss
+            self.flow_stats.append(st)
+            if r + 1 < flow_rounds(c):
+                drafts = m.draft_vocab[st.pred if st.pred is not None else logits.argmax(-1)]
+        return loss, first, self.flow_stats[0]
 
     def _autocast(self):
         """bf16 autocast of the drafter's passes where `compute_dtype` is bf16, else nothing."""
         on = self.compute_dtype == torch.bfloat16
         return torch.autocast(self.to_draft.device.type, dtype=torch.bfloat16, enabled=on)
+
+
+def flow_rounds(cfg: TrainConfig) -> int:
+    """Reject-conditioned rounds a DFlow step unrolls (`--flow-rounds`, 0: the relay's own)."""
+    return getattr(cfg, "flow_rounds", 0) or (2 if getattr(cfg, "relay", "ours") == "paper" else 1)
 
 
 def compute_dtype(precision: str) -> torch.dtype:
@@ -257,7 +283,8 @@ def adamw(groups: list[dict], cfg: TrainConfig) -> torch.optim.AdamW:
 def _run_identity(cfg: dict) -> dict:
     """Settings a resumed run must share (steps may grow; logging cadence may change)."""
     cfg = {**cfg, "flow_lr_mult": cfg.get("flow_lr_mult", 1.0),  # checkpoints from before the fields existed
-           "precision": cfg.get("precision", "auto")}
+           "precision": cfg.get("precision", "auto"), "relay": cfg.get("relay", "ours"),
+           "flow_rounds": cfg.get("flow_rounds", 0)}
     return {k: v for k, v in cfg.items() if k not in ("steps", "eval_every", "ckpt_every", "threads", "eval_seqs", "states",
                                                       "device", "max_minutes", "max_shard_mb")}
 
@@ -275,7 +302,7 @@ def _init_from(path: str, target: HFTarget, drafter: DFlowDrafter, cfg: TrainCon
     upgrade = drafter.config.flow and not src.config.flow  # DFlash -> DFlow
     grow = drafter.config.num_layers > src.config.num_layers
     diff = sorted(k for k in mine if mine[k] != theirs[k]
-                  and not (upgrade and k == "flow") and not (grow and k == "num_layers"))
+                  and not (upgrade and k in ("flow", "relay")) and not (grow and k == "num_layers"))
     if diff:  # DFlow -> DFlash keeps "flow" in diff, fewer layers "num_layers"
         raise UserError(f"--init-from {path} is a drafter of another shape ({', '.join(diff)} differ "
                         f"from this run's --objective {cfg.objective}); fine-tune it with its own objective and "
@@ -283,7 +310,7 @@ def _init_from(path: str, target: HFTarget, drafter: DFlowDrafter, cfg: TrainCon
                         f"more --num-layers)")
     missing, unexpected = drafter.load_state_dict(src.state_dict(), strict=not (upgrade or grow))
     new_layer = lambda k: k.startswith("layers.") and int(k.split(".")[1]) >= src.config.num_layers  # noqa: E731
-    assert not unexpected and all(k.split(".")[0] in drafter.FLOW_BRANCH or new_layer(k) for k in missing), \
+    assert not unexpected and all(k.split(".")[0] in drafter.relay_branch() or new_layer(k) for k in missing), \
         (missing, unexpected)
     if upgrade:
         drafter.silence_flow()
@@ -356,17 +383,17 @@ def evaluate(obj: Objective, heldout: list[Sequence], cfg: TrainConfig) -> dict:
     if not heldout:
         return {}
     gen = torch.Generator().manual_seed(1234)
-    acc1, acc2 = [], []
+    acc1, accs = [], []
     obj.drafter.eval()
     for i in range(0, min(len(heldout), cfg.eval_seqs), cfg.seqs_per_step):
         _, first, second = obj(_collate(heldout[i:i + cfg.seqs_per_step], cfg.max_len), gen)
         acc1.append(first.accepted)
         if second is not None:
-            acc2.append(second.accepted)
+            accs.append([st.accepted for st in obj.flow_stats])
     obj.drafter.train()
     out = {"tau_noflow": 1 + torch.cat(acc1).float().mean().item()}
-    if acc2:
-        out["tau_flow"] = 1 + torch.cat(acc2).float().mean().item()
+    for r, acc in enumerate(zip(*accs)):  # flow rounds: tau_flow, then tau_flow2, ...
+        out[f"tau_flow{r + 1 if r else ''}"] = 1 + torch.cat(acc).float().mean().item()
     return out
 
 
@@ -409,7 +436,7 @@ def train(cfg: TrainConfig) -> Path:
     if not heldout and rank == 0:
         print(f"warning: no held-out sequence fits max_len={cfg.max_len}; training runs without τ evaluation")
     dcfg = untrained_config(probe, flow=cfg.objective == "dflow", block_size=cfg.block_size, num_layers=cfg.num_layers)
-    dcfg = type(dcfg)(**{**dcfg.__dict__, "draft_vocab_size": cfg.draft_vocab_size,
+    dcfg = type(dcfg)(**{**dcfg.__dict__, "draft_vocab_size": cfg.draft_vocab_size, "relay": cfg.relay,
                          "extra": {"name": f"{cfg.target}-{cfg.objective}", "objective": cfg.objective}})
     drafter = build_drafter(probe, dcfg, seed=cfg.seed)
     if cfg.max_shard_mb:  # a tensor too large for one shard is refused now, not after the training
@@ -458,7 +485,8 @@ def train(cfg: TrainConfig) -> Path:
         rec = {"step": step, "loss": loss.item(), "lr": opt.param_groups[0]["lr"], "grad_norm": float(gnorm),
                "train_tau_noflow": 1 + first.accepted.float().mean().item(), "elapsed_s": time.perf_counter() - t0}
         if second is not None:
-            rec["train_tau_flow"] = 1 + second.accepted.float().mean().item()
+            for r, st in enumerate(obj.flow_stats):
+                rec[f"train_tau_flow{r + 1 if r else ''}"] = 1 + st.accepted.float().mean().item()
         out_of_time = bool(cfg.max_minutes) and _out_of_time(cfg, rec["elapsed_s"], distributed)
         if out_of_time:
             rec["stopped"] = f"max_minutes {cfg.max_minutes:g} passed at step {step} of {cfg.steps}"

@@ -76,6 +76,7 @@ def flow_state_dict(drafter: DFlowDrafter) -> dict[str, torch.Tensor]:
     if not drafter.config.flow:
         raise UserError("this drafter has no flow branch (flow off: plain DFlash); the DFlow plug-in needs a "
                         "flow-conditioned drafter")
+    drafter.config.check_exportable("the DFlow plug-in's flow branch")
     return {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()
             if k.split(".")[0] in DFlowDrafter.FLOW_BRANCH}
 
