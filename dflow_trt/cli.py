@@ -184,6 +184,10 @@ def cmd_bench_training_tau(a: argparse.Namespace) -> int:
     from .benchmarks import training_tau as bench
 
     check_output(a.plot_out, "training plot (--plot-out)")
+    if a.compute:
+        check_output(a.compute_out, "compute plot (--compute-out)")
+        check_output(str(Path(a.compute_out).with_suffix(".json")), "compute fit JSON (beside --compute-out)")
+        return bench.compute_curve(a.drafters, a.throughput, a.compute_out, str(Path(a.compute_out).with_suffix(".json")))
     return bench.run(a.drafters, a.plot_out)
 
 
@@ -424,6 +428,11 @@ def _add_bench(sub) -> None:
                                                      "train_log.jsonl, as a PNG")
     tt.add_argument("drafters", nargs="*", help="drafter folders (default: the shipped smollm2-135m drafters)")
     tt.add_argument("--plot-out", default="docs/training_tau.png")
+    tt.add_argument("--compute", action="store_true", help="instead: tau against cumulative training FLOPs, with "
+                                                           "a log-linear fit and the compute it puts at tau 2 and 2.5")
+    tt.add_argument("--compute-out", default="docs/training_tau_compute.png", help="its PNG (JSON beside it)")
+    tt.add_argument("--throughput", default="docs/training_throughput.json",
+                    help="the training benchmark's JSON (FLOPs per step, this CPU's FLOP/s)")
 
     z = add("zlab-vocab", cmd_bench_zlab_vocab, "how often a reduced-vocabulary drafter proposes the same tokens "
                                                 "over the target's full LM head (z-lab's layout)")

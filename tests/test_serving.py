@@ -374,14 +374,18 @@ def test_default_repository_serves_smollm2_like_generate(tmp_path):
 
 
 def test_load_generator_reports_a_sweep(tiny_server, tmp_path):
-    from dflow_trt.serving.load import perf_analyzer_inputs, run_point, write_report
+    from dflow_trt.serving.load import held_state, perf_analyzer_inputs, run_point, write_report
 
     pts = [run_point(tiny_server.grpc_url, PROMPTS, m, c, 4, 8, chat=False) for m in ("ar", "dflow") for c in (1, 2)]
     for p in pts:
         assert p.requests == 4 and p.output_tokens_per_s > 0 and p.ttft_ms["p50"] <= p.latency_ms["p99"]
         assert p.itl_ms["p50"] is not None and p.ttft_ms["p50"] <= p.ttft_ms["p90"] <= p.ttft_ms["p99"]
-    files = write_report(pts, tmp_path / "load")
+    assert max(p.batch_rows for p in pts if p.concurrency == 2) > 1  # concurrent requests shared rounds
+    held = held_state(tiny_server.grpc_url)
+    assert held == {"waiting": 0, "rows": 0, "batches": 0}  # nothing left after the load run
+    files = write_report(pts, tmp_path / "load", {"held_after_run": held})
     assert all(f.stat().st_size > 0 for f in files)
+    assert json.loads(files[0].read_text())["held_after_run"] == held
     assert json.loads(files[0].read_text())["points"][3]["concurrency"] == 2
     cmd = perf_analyzer_inputs(PROMPTS[:2], "dflow", 8, tmp_path / "pa.json")
     assert "--streaming" in cmd and json.loads((tmp_path / "pa.json").read_text())["data"][0]["text_input"] == [PROMPTS[0]]

@@ -30,7 +30,7 @@ def run(url: str | None = "127.0.0.1:8001", start: bool = False, models=("dflow"
     same with max_batch 1, from one server, and compare the two."""
     from ..evalsets import load_prompts
     from ..serving.client import health
-    from ..serving.load import perf_analyzer_inputs, run_point, write_report
+    from ..serving.load import held_state, perf_analyzer_inputs, run_point, write_report
 
     prompts = load_prompts(dataset)[:16]
     con = report.console()
@@ -66,11 +66,14 @@ def run(url: str | None = "127.0.0.1:8001", start: bool = False, models=("dflow"
                     points.append(p)
                     con.print(f"{model} {mode} × {c}: {p.output_tokens_per_s:.1f} tokens/s", style="dim")
                     rows.append([model, mode, c, f"{p.requests_per_s:.2f}", f"{p.output_tokens_per_s:.1f}",
-                                 f"{p.tau:.2f}", pct(p.ttft_ms), pct(p.itl_ms)])
+                                 f"{p.tau:.2f}", f"{p.batch_rows:.1f}", pct(p.ttft_ms), pct(p.itl_ms)])
         report.table(f"{', '.join(models)} at {url}: {max_tokens} tokens per request, {dataset} prompts",
-                     ["model", "mode", "conc", "req/s", "tok/s", "tau", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms"],
+                     ["model", "mode", "conc", "req/s", "tok/s", "tau", "rows", "TTFT p50/p90/p99 ms",
+                      "ITL p50/p90/p99 ms"],
                      rows, con)
-        for path in write_report(points, Path(json_out).with_suffix("")):
+        held = {m: held_state(url, m) for m in models}  # every request has ended: nothing may be held
+        con.print(f"held by the server after the run: {held}")
+        for path in write_report(points, Path(json_out).with_suffix(""), {"held_after_run": held}):
             con.print(f"wrote {path}")
         cmd = perf_analyzer_inputs(prompts, "dflow", max_tokens, perf_analyzer_path(json_out))
         where = "found" if shutil.which("perf_analyzer") else "not installed here (needs glibc >= 2.38)"

@@ -28,6 +28,7 @@ class LoadPoint:
     ttft_ms: dict
     itl_ms: dict
     latency_ms: dict
+    batch_rows: float = 1.0  # mean over requests of the most rows each shared a round with (server stats)
 
 
 def _pct(xs: list[float]) -> dict:
@@ -62,9 +63,10 @@ def run_point(url: str, prompts: list[str], mode: str, concurrency: int, request
     for t in threads:
         t.join()
     dur = time.perf_counter() - t0
-    ttft, itl, lat, toks, taus = [], [], [], 0, []
+    ttft, itl, lat, toks, taus, rows = [], [], [], 0, [], []
     for r, total in results:
         lat.append(total)
+        rows.append(r.stats.get("batch_rows", 1))
         toks += len(r.token_ids)
         taus.append(r.stats.get("tau", 0.0))
         if r.chunk_times:
@@ -72,23 +74,31 @@ def run_point(url: str, prompts: list[str], mode: str, concurrency: int, request
             if len(r.token_ids) > 1:  # per-token gap after the first token (rounds deliver several at once)
                 itl.append((r.chunk_times[-1] - r.chunk_times[0]) / (len(r.token_ids) - 1))
     return LoadPoint(model, mode, concurrency, len(results), dur, len(results) / dur, toks / dur,
-                     float(np.mean(taus)) if taus else 0.0, _pct(ttft), _pct(itl), _pct(lat))
+                     float(np.mean(taus)) if taus else 0.0, _pct(ttft), _pct(itl), _pct(lat),
+                     float(np.mean(rows)) if rows else 1.0)
 
 
-def write_report(points: list[LoadPoint], out: str | Path) -> list[Path]:
-    """JSON + CSV + PNG (tokens/s and p90 ITL against concurrency, per mode)."""
+def held_state(url: str, model: str = "dflow") -> dict | None:
+    """What the decoding model holds after a run (its scheduler's rows, batches and waiting
+    requests), read from the stats of one 1-token request; None where it does not batch."""
+    return generate_grpc(url, model, prompt="hi", mode="ar", max_tokens=1).stats.get("scheduler")
+
+
+def write_report(points: list[LoadPoint], out: str | Path, extra: dict | None = None) -> list[Path]:
+    """JSON (with `extra` beside the points) + CSV + PNG (tokens/s and p90 ITL against concurrency,
+    per model and mode)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = [p.__dict__ for p in points]
-    out.with_suffix(".json").write_text(json.dumps({"points": rows}, indent=2) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({**(extra or {}), "points": rows}, indent=2) + "\n")
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["model", "mode", "concurrency", "requests", "requests_per_s", "output_tokens_per_s", "tau",
-                    "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms"])
+                    "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "batch_rows"])
         for p in points:
             w.writerow([p.model, p.mode, p.concurrency, p.requests, f"{p.requests_per_s:.3f}", f"{p.output_tokens_per_s:.2f}",
                         f"{p.tau:.3f}", *(p.ttft_ms[k] for k in ("p50", "p90", "p99")),
-                        *(p.itl_ms[k] for k in ("p50", "p90", "p99"))])
+                        *(p.itl_ms[k] for k in ("p50", "p90", "p99")), f"{p.batch_rows:.2f}"])
     import matplotlib
 
     matplotlib.use("Agg")
