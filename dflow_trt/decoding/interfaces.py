@@ -71,6 +71,11 @@ class RowBatching(Protocol):
     def keep(self, state: Any, rows: torch.Tensor) -> Any:
         """Only these rows [R] (long, in this order); the others' memory is freed."""
 
+    def append(self, state: Any, taps: torch.Tensor, lens: torch.Tensor) -> None:
+        """Drafters: take committed context taps [B, N, F] (first lens[b] of row b) into the state
+        now, as `draft` would (a joining row's prompt, so the batch's pending context is not padded
+        to a prompt's length)."""
+
 
 def batches_rows(obj: Any) -> bool:
     return bool(getattr(obj, "joins_rows", False))

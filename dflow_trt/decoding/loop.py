@@ -213,7 +213,9 @@ class DecodeBatch:
         """Append `other`'s rows (prefilled apart, same models and options); `other` is consumed."""
         assert other.target is self.target and other.drafter is self.drafter and other.block_size == self.block_size
         self.cache = self.target.join(self.cache, other.cache)
-        if self.dstate is not None:
+        if self.dstate is not None:  # the newcomers' prompt context goes in first, unpadded
+            self.drafter.append(other.dstate, other.ctx, other.ctx_lens)
+            other.ctx, other.ctx_lens = other.ctx[:, :0], torch.zeros_like(other.ctx_lens)
             self.dstate = self.drafter.join(self.dstate, other.dstate)
         self.anchor = torch.cat([self.anchor, other.anchor])
         self.anchor_pos = torch.cat([self.anchor_pos, other.anchor_pos])

@@ -62,7 +62,9 @@ class TorchDrafter:
         return DrafterState(k=[t[rows] for t in state.k], v=[t[rows] for t in state.v], lens=state.lens[rows],
                             block_size=state.block_size, generator=state.generator)
 
-    def _append(self, st: DrafterState, taps: torch.Tensor, lens: torch.Tensor) -> None:
+    def append(self, st: DrafterState, taps: torch.Tensor, lens: torch.Tensor) -> None:
+        """Take committed context taps [B, N, F] (row b's first lens[b]) into the state now; `draft`
+        does this itself, a joining row does it before it joins (its prompt only, not padded to)."""
         N = taps.shape[1]
         if N == 0:
             return
@@ -76,7 +78,7 @@ class TorchDrafter:
     def draft(self, state: DrafterState, context_taps: torch.Tensor, context_lens: torch.Tensor,
               anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, flow: FlowState | None,
               sampler: SamplingParams, verify_threshold: float = 0.0) -> Proposal:
-        self._append(state, context_taps, context_lens.to(self.device))
+        self.append(state, context_taps, context_lens.to(self.device))
         assert torch.equal(state.lens, anchor_pos.to(self.device)), "drafter context must end right before the anchor"
         B, S, m = anchor_ids.shape[0], state.block_size, self.model
         block = torch.full((B, S), self.config.mask_token_id, dtype=torch.long, device=self.device)
