@@ -154,6 +154,9 @@ def bad(tmp_path_factory, tiny_qwen3):
     (["fp8-check", *T, "--check-prompts", "0"], "--check-prompts"),
     (["build", *T, "--tp-size", "0"], "--tp-size"),
     (["build", *T, "--check-max-new-tokens", "nan"], "--check-max-new-tokens"),
+    (["bench", "serving", "--unbatched-baseline", "--json-out", "/tmp/dflow_trt_bad_input_load.json"], "add --start"),
+    (["bench", "training-tau", "--compute", "--throughput", "/nonexistent/tp.json",
+      "--compute-out", "/tmp/dflow_trt_never_tau.png"], "bench training"),
 ])
 def test_numbers_out_of_range(capsys, argv, needle):
     refused(capsys, argv, needle)
