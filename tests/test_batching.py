@@ -67,7 +67,14 @@ def test_rows_joining_and_leaving_decode_as_alone(good, backend, mode):
     for _ in range(2):
         batch.round()
     left = batch.log.rows[1]
+    if backend == "torch":
+        holes = (~batch.cache.valid).sum().item()
+        assert holes > 0  # rows that accepted different amounts left holes in the padded cache
     batch.keep([0, 2])  # row 1 leaves (cancelled) mid-decode
+    if backend == "torch":  # ... which leaving squeezes out: each row's slots are a prefix, the width its longest
+        v = batch.cache.valid
+        assert torch.equal(v, torch.arange(v.shape[1])[None] < v.sum(1)[:, None]) and v.shape[1] == v.sum(1).max()
+        assert batch.cache.kv.layers[0].keys.shape[2] == v.shape[1]
     batch.join(DecodeBatch(target, drafter, prompts[3:4], o))
     rows = [batch.log.rows[i] for i in range(3)]
     while not all(batch.log.done):

@@ -181,6 +181,7 @@ class HFTarget:
         """`cache`'s rows then `other`'s, in one padded cache (slots past a row's own are masked)."""
         assert cache.pending == 0 and other.pending == 0, "join committed caches only"
         assert all(isinstance(la, GrowingLayer) for la in (*cache.kv.layers, *other.kv.layers))
+        cache = self.keep(cache, torch.arange(cache.valid.shape[0], device=self.device))  # squeezed first
         Pa, Pb = cache.valid.shape[1], other.valid.shape[1]
         P = max(Pa, Pb)
         join_kv(cache.kv, other.kv, Pa, Pb)
@@ -189,9 +190,17 @@ class HFTarget:
                        next_pos=torch.cat([cache.next_pos, other.next_pos]))
 
     def keep(self, cache: HFCache, rows: torch.Tensor) -> HFCache:
-        """Only these rows; trailing slots none of them uses are dropped."""
+        """Only these rows, each row's committed slots moved to the front in order. Rows accept
+        different amounts each round, so the padded cache gathers holes; in a batch that lives on
+        while requests come and go they would grow without bound, so every change of rows squeezes
+        them out (a copy of the cache, which dropping rows makes anyway). Attention is unchanged:
+        a slot's position is in its rotated key, and every kept slot stays before the next block."""
         assert cache.pending == 0, "keep rows of a committed cache only"
         rows = rows.to(self.device)
-        valid = cache.valid[rows]
-        used = int(valid.any(0).nonzero().max()) + 1 if valid.any() else 0
-        return HFCache(kv=keep_kv(cache.kv, rows, used), valid=valid[:, :used], next_pos=cache.next_pos[rows])
+        valid = cache.valid[rows]  # [R, P]
+        n = valid.sum(1)  # [R]
+        width = int(n.max()) if len(rows) else 0
+        slots = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)[:, :width]  # each row's valid slots first
+        return HFCache(kv=keep_kv(cache.kv, rows, slots),
+                       valid=torch.arange(width, device=self.device)[None, :] < n[:, None],
+                       next_pos=cache.next_pos[rows])

@@ -103,9 +103,12 @@ def join_kv(a: DynamicCache, b: DynamicCache, Pa: int, Pb: int) -> DynamicCache:
     return a
 
 
-def keep_kv(cache: DynamicCache, rows: torch.Tensor, slots: int) -> DynamicCache:
-    """Only rows [R] and the first `slots` slots of every layer."""
+def keep_kv(cache: DynamicCache, rows: torch.Tensor, slots: torch.Tensor) -> DynamicCache:
+    """Only rows [R], each with its slots slots [R, P'] (slot indices, in order): the caller's
+    way to drop rows and squeeze out the slots no kept row uses."""
     with torch.inference_mode():
         for layer in cache.layers:
-            layer.keys, layer.values = layer.keys[rows, :, :slots], layer.values[rows, :, :slots]
+            k, v = layer.keys[rows], layer.values[rows]  # [R, Hkv, P, D]
+            idx = slots[:, None, :, None].expand(k.shape[0], k.shape[1], slots.shape[1], k.shape[3])
+            layer.keys, layer.values = k.gather(2, idx), v.gather(2, idx)
     return cache
