@@ -333,9 +333,9 @@ class DecodingEngine:
                     raise ev.error
                 res = ev.result
                 res.batch_rows = job.peak_rows
-                res.acceptance_lengths[0] = res.acceptance_lengths[0][:max(0, seen - 1)] if stopped else \
-                    res.acceptance_lengths[0]
-                res.rounds = len(res.acceptance_lengths[0])
+                if stopped:  # the rounds decoded after the stop were never sent
+                    res.acceptance_lengths[0] = res.acceptance_lengths[0][:max(0, seen - 1)]
+                    res.rounds = len(res.acceptance_lengths[0])
                 return res
             if stopped:
                 continue
