@@ -159,7 +159,7 @@ def cmd_bench_serving(a: argparse.Namespace) -> int:
     if a.start and a.url:
         raise UserError("--start serves on its own address; pass --url or --start, not both")
     if a.unbatched_baseline and not a.start:
-        raise UserError("--unbatched-baseline serves its own two models: add --start")
+        raise UserError("--unbatched-baseline serves its own models: add --start")
     return bench.run(a.url or (None if a.start else "127.0.0.1:8001"), a.start, [m for m in a.models.split(",") if m],
                      [m for m in a.modes.split(",") if m], a.concurrency, a.requests, a.max_tokens, a.dataset,
                      a.json_out, a.unbatched_baseline)
@@ -392,7 +392,8 @@ def _add_bench(sub) -> None:
     sv.add_argument("--models", default="dflow", help="decoding models to compare, comma-separated (each point "
                                                       "runs on each in turn)")
     sv.add_argument("--unbatched-baseline", action="store_true",
-                    help="with --start: serve `dflow` and `dflow_alone` (max_batch 1) and compare them")
+                    help="with --start: serve `dflow`, `dflow_alone` (max_batch 1) and `dflow_whole_block` "
+                         "(verify_budget 0) and compare them")
     sv.add_argument("--modes", default="ar,dflash,dflow")
     sv.add_argument("--concurrency", type=number_list(COUNT), default=[1, 2, 4, 8])
     sv.add_argument("--requests", type=COUNT, default=8, help="requests per point")

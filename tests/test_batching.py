@@ -168,9 +168,12 @@ def test_scheduler_mix_gets_what_each_gets_alone(good):
     assert sched.state() == {"waiting": 0, "rows": 0, "batches": 0}
 
 
-def test_sampled_rows_sharing_a_batch_keep_the_target_distribution(small_target):
+@pytest.mark.parametrize("budget", [0, 96])
+def test_sampled_rows_sharing_a_batch_keep_the_target_distribution(small_target, budget):
     """Sampled requests decoded as rows of shared batches (joining at different rounds) have the
-    target's distribution: chi-square against plain sampling, first three tokens."""
+    target's distribution: chi-square against plain sampling, first three tokens. With a verify
+    budget the rows verify 96 // rows slots each (2 to 4): truncated blocks, truncated draft
+    probabilities."""
     drafter = TorchDrafter(build_drafter(small_target, untrained_config(small_target, flow=True, block_size=4), seed=0))
     params = SamplingParams(temperature=1.0, top_p=0.95, top_k=12)
     n, K, prompt = 600, 3, [1, 2, 3]
@@ -178,11 +181,18 @@ def test_sampled_rows_sharing_a_batch_keep_the_target_distribution(small_target)
                   DecodeOptions(mode="ar", max_new_tokens=K, sampling=SamplingParams(1.0, 0.95, 12, seed=5),
                                 stop_token_ids=())).token_ids
     sched = Scheduler(max_batch=64, max_queue=n, log=lambda m: None)
-    o = DecodeOptions(mode="dflow", block_size=4, sampling=params, stop_token_ids=())
+    o = DecodeOptions(mode="dflow", block_size=4, sampling=params, stop_token_ids=(), verify_budget=budget)
+    widths = _record_verify_widths(small_target)
     jobs = [sched.submit(small_target, drafter, prompt, dataclasses.replace(o, max_new_tokens=3 + k % 5))
             for k in range(n)]
     got = [_consume(j) for j in jobs]
     sched.close()
+    del small_target.verify
+    B_w = {(b, w) for b, w in widths if b > 1}
+    if budget:  # the budget was applied: every row within its share, and shares that changed with the rows
+        assert all(w <= max(2, budget // b) for b, w in B_w) and {2, 4} <= {w for _, w in B_w}, sorted(B_w)
+    else:
+        assert {w for _, w in B_w} == {4}
     taus = [a for _, d in got for a in d.result.acceptance_lengths[0]]
     assert max(taus) > 1  # drafts were accepted: rejection sampling ran on shared rows
     spec = [tuple(t[:K]) for t, _ in got]
@@ -194,6 +204,71 @@ def test_sampled_rows_sharing_a_batch_keep_the_target_distribution(small_target)
     table = list(zip(*(keep + ([rest] if sum(rest) else []))))
     _, p, _, _ = chi2_contingency(table)
     assert p > 1e-3, p
+
+
+def _record_verify_widths(target) -> list[tuple[int, int]]:
+    """Spy on `target.verify` (an instance attribute; `del target.verify` ends it): (rows, slots) per call."""
+    seen, real = [], target.verify
+
+    def verify(cache, tokens, parents=None):
+        seen.append(tuple(tokens.shape))
+        return real(cache, tokens, parents)
+
+    target.verify = verify
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["dflash", "dflow"])
+@pytest.mark.parametrize("setting", ["whole-block", "cpu"])
+def test_verify_budget_shares_the_pass_among_rows_and_keeps_the_output(good, mode, setting):
+    """A verify budget of 12 tokens: four rows verify 3 slots each (the cpu setting: 2 of the chain
+    and one first-draft alternative), and once one row is left it verifies its whole block. Every
+    row still decodes the target's greedy tokens."""
+    hf, drafter = good[mode]
+    prompts = chat_prompts(hf, 4)
+    extra = {"verify_threshold": 0.05, "alternatives": 7} if setting == "cpu" else {}
+    o = DecodeOptions(mode=mode, max_new_tokens=N_NEW, block_size=8, verify_budget=12, **extra)
+    want = [_alone(hf, p, N_NEW) for p in prompts]
+    widths = _record_verify_widths(hf)
+    try:
+        batch = DecodeBatch(hf, drafter, prompts, o)
+        for _ in range(3):
+            batch.round()
+        assert widths and all(w <= 3 for _, w in widths), widths
+        rows = list(batch.log.rows)
+        batch.keep([0])
+        widths.clear()
+        while not all(batch.log.done):
+            batch.round()
+        assert max(w for _, w in widths) > 3  # alone, the row has the whole budget again
+        batch.keep([0])
+    finally:
+        del hf.verify
+    for b in range(4):  # rows 1-3 left after three rounds: a prefix of their greedy decode
+        got = rows[b].tokens
+        if b == 0:
+            assert_greedy_equivalent(hf, prompts[0], got, want[0], stop_token_ids=hf.info.eos_token_ids,
+                                     max_new_tokens=N_NEW)
+        else:
+            assert got == want[b][:len(got)] and len(got) > 3
+    assert max(a for r in rows for a in r.accept_lens) > 1  # drafts were accepted within the budget
+
+
+def test_plan_within_a_budget_keeps_a_valid_prefix():
+    from dflow_trt.decoding.policy import Plan
+
+    chain, probs = torch.arange(12).view(2, 6), torch.rand(2, 5, 9)
+    alts = torch.tensor([[20, 21, 22], [23, 24, 25]])
+    p = Plan(chain, probs, torch.tensor([5, 2]), alts, torch.tensor([3, 1]), torch.zeros(2, 5, dtype=torch.bool))
+    assert p.within(9) is p  # room for all: unchanged
+    q = p.within(6)  # 3 alternatives kept, the chain cut to 3
+    assert torch.equal(q.chain, chain[:, :3]) and torch.equal(q.draft_probs, probs[:, :2])
+    assert q.proposed().tolist() == [2, 2] and q.proposed_alts().tolist() == [3, 1] and q.hinted.shape == (2, 2)
+    r = p.within(3)  # the chain keeps anchor + one draft, one alternative
+    assert r.chain.shape == (2, 2) and r.alts.tolist() == [[20], [23]] and r.proposed_alts().tolist() == [1, 1]
+    assert r.parents.tolist() == [-1, 0, 0]
+    s = p.within(1)  # below anchor + one draft: still anchor + one draft, no alternatives
+    assert s.chain.shape == (2, 2) and s.alts is None and s.num_alts is None
 
 
 def test_full_queue_answers_busy_and_close_ends_everyone(good):

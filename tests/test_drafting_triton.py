@@ -35,7 +35,8 @@ LAYOUTS = ("dflow", "dflow_bls")
 def server(tmp_path_factory, good_drafters, varied_drafters):
     tmp = tmp_path_factory.mktemp("triton_drafting")
     good = {m: str(p) for m, p in good_drafters.items()}
-    over = {"dflow": {"target": TARGET, "dflash_drafter": good["dflash"], "dflow_drafter": good["dflow"]},
+    over = {"dflow": {"target": TARGET, "dflash_drafter": good["dflash"], "dflow_drafter": good["dflow"],
+                      "verify_budget": "16"},  # alone a block of 8 is verified whole; 3 rows or more share 16
             "dflow_bls": {"target": TARGET},
             "target": {"target": TARGET, "drafter": good["dflow"]},
             "drafter": {"target": TARGET, "dflash_drafter": good["dflash"], "dflow_drafter": good["dflow"]}}
@@ -187,8 +188,9 @@ def test_sampled_first_tokens_have_the_target_distribution(server, tiny_qwen3, m
 def test_concurrent_mix_over_triton_gets_what_each_gets_alone(server, tiny_qwen3):
     """Continuous batching in the in-process model: a concurrent mix (both modes and ar, blocks 4
     and 8, different lengths, a stop word, sampled requests, one cancelled mid-stream, one whose
-    client process is killed mid-stream) shares batches, and every greedy request gets what it got
-    when sent alone; the server then holds no row."""
+    client process is killed mid-stream) shares batches, its rows verifying shorter blocks under the
+    model's verify budget, and every greedy request gets what it got when sent alone; the server
+    then holds no row."""
     import queue as queue_mod
 
     from dflow_trt.serving.client import _inputs, request_arrays
@@ -244,6 +246,11 @@ def test_concurrent_mix_over_triton_gets_what_each_gets_alone(server, tiny_qwen3
         cancel.result(timeout=600)
         killed.result(timeout=600)
     assert max(g.stats["batch_rows"] for g in got) >= 4, [g.stats["batch_rows"] for g in got]
+    # the verify budget (16 tokens a pass) applied: alone a block-8 row verifies 7 drafts a round, in a
+    # batch of 3 or more rows fewer
+    per_round = lambda x: x.stats["verified_drafts"] / len(x.stats["acceptance_lengths"])  # noqa: E731
+    assert all(per_round(alone[k]) == 7 for k in (0, 1, 6))
+    assert min(per_round(got[k]) for k in (0, 1, 6)) < 7, [per_round(got[k]) for k in (0, 1, 6)]
     for r, a, g in zip(mix, alone, got):
         ids = prompt_ids(tiny_qwen3, r["prompt"], True)
         if "stop_words" in r:

@@ -20,14 +20,16 @@ def perf_analyzer_path(json_out: str | Path) -> Path:
 
 
 UNBATCHED = "dflow_alone"  # the `dflow` model with max_batch 1: every request decodes alone
+UNBUDGETED = "dflow_whole_block"  # batched, but every row verifies its whole block (verify_budget 0)
 
 
 def run(url: str | None = "127.0.0.1:8001", start: bool = False, models=("dflow",),
         modes=("ar", "dflash", "dflow"), concurrency=(1, 2, 4, 8), requests: int = 8, max_tokens: int = 32,
         dataset: str = "mtbench", json_out: str = "docs/serving_load.json", unbatched_baseline: bool = False) -> int:
     """Each (mode, concurrency) point runs on every model in turn, so models are compared within one
-    run. `unbatched_baseline` (with `start`): serve the default `dflow` model and `dflow_alone`, the
-    same with max_batch 1, from one server, and compare the two."""
+    run. `unbatched_baseline` (with `start`): serve the default `dflow` model, `dflow_alone` (the
+    same with max_batch 1) and `dflow_whole_block` (batched without a verify budget) from one
+    server, and compare the three."""
     from ..evalsets import load_prompts
     from ..serving.client import health
     from ..serving.load import held_state, perf_analyzer_inputs, run_point, write_report
@@ -37,8 +39,8 @@ def run(url: str | None = "127.0.0.1:8001", start: bool = False, models=("dflow"
     server = None
     if unbatched_baseline:
         if not start:
-            raise UserError("--unbatched-baseline serves its own two models: add --start")
-        models = (UNBATCHED, "dflow")
+            raise UserError("--unbatched-baseline serves its own models: add --start")
+        models = (UNBATCHED, UNBUDGETED, "dflow")
     if start:
         from ..serving.repository import write_repository
         from ..serving.server import DEFAULT_REPOSITORY, start_server
@@ -46,7 +48,8 @@ def run(url: str | None = "127.0.0.1:8001", start: bool = False, models=("dflow"
         repo = DEFAULT_REPOSITORY
         if unbatched_baseline:
             repo = write_repository("build/triton/bench_repo", models=("dflow",),
-                                    variants={UNBATCHED: ("dflow", {"max_batch": "1"})})
+                                    variants={UNBATCHED: ("dflow", {"max_batch": "1"}),
+                                              UNBUDGETED: ("dflow", {"verify_budget": "0"})})
         server = start_server(repo, log_path="build/triton/server.log")
         url = server.grpc_url
     try:

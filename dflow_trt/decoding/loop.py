@@ -148,7 +148,7 @@ class DecodeBatch:
             for r, p in zip(rows, prompts):
                 r.check_against(target, drafter, [p])
         self.target, self.drafter = target, drafter
-        self.policy = policy_for(o.mode, o.verify_threshold, o.hint_trust, o.alternatives)
+        self.policy = policy_for(o.mode, o.verify_threshold, o.hint_trust, o.alternatives, o.verify_budget)
         self.block_size = o.block_size or (drafter.block_size if o.speculative else 1)
         t0 = time.perf_counter()
         ids, lens = pad_left(prompts, pad_id=0)

@@ -27,6 +27,7 @@ class DecodeOptions:
     verify_threshold: float = 0.0  # > 0: verify only drafts likely to be accepted (0: the whole block)
     hint_trust: float = HINT_TRUST  # dflow: take a verifier hint over a draft less sure than this (0: off)
     alternatives: int = 0  # greedy: runner-up tokens for draft 1 verified beside the chain (a token tree)
+    verify_budget: int = 0  # > 0: most tokens one verify pass carries over all rows (0: no cap); see policy.py
     stop_token_ids: tuple[int, ...] | None = None  # None: the target's end-of-sequence tokens
 
     def __post_init__(self):
@@ -42,6 +43,8 @@ class DecodeOptions:
             raise UserError(f"hint_trust must be in [0, 1], got {self.hint_trust!r}")
         if not _is_int(self.alternatives) or not 0 <= self.alternatives <= MAX_ALTERNATIVES:
             raise UserError(f"alternatives must be in [0, {MAX_ALTERNATIVES}] (an integer), got {self.alternatives!r}")
+        if not _is_int(self.verify_budget) or self.verify_budget < 0:
+            raise UserError(f"verify_budget must be >= 0 (an integer; 0: no cap), got {self.verify_budget!r}")
         if self.alternatives and not self.sampling.greedy:
             raise UserError("first-draft alternatives are verified for greedy decoding only (temperature 0); "
                             "set alternatives to 0 or decode greedily")

@@ -5,6 +5,7 @@ drafted: the DFlash path, and the paper's setting. `Selective` adds the three wa
 verify pass better, each off at its zero: verifier hints (dflow), a verify length from the
 drafter's confidence, and first-draft alternatives beside the chain (a token tree). None of them
 changes the output; each changes only what the round costs and how much it commits.
+`Budgeted` caps any of them at a number of verified tokens per round, shared by the batch's rows.
 """
 
 from __future__ import annotations
@@ -57,6 +58,20 @@ class Plan:
             return self.chain.new_zeros(self.chain.shape[0])
         sent = torch.arange(self.hinted.shape[1], device=self.hinted.device)[None, :] < self.proposed()[:, None]
         return (self.hinted & sent).sum(1)
+
+    def within(self, per_row: int) -> Plan:
+        """This plan verifying at most `per_row` slots a row (at least the anchor and one draft):
+        the chain's tail goes first, then alternatives. A prefix of the drafts is still a valid
+        proposal, so the output is unchanged; only the round's cost and commitment are."""
+        K1, A = self.chain.shape[1], 0 if self.alts is None else self.alts.shape[1]
+        w = max(2, min(K1, per_row - A))  # chain width
+        a = max(0, min(A, per_row - w))  # alternatives kept
+        if w == K1 and a == A:
+            return self
+        cap = lambda n, m: None if n is None else n.clamp(max=m)  # noqa: E731
+        return Plan(self.chain[:, :w], None if self.draft_probs is None else self.draft_probs[:, :w - 1],
+                    cap(self.num_drafts, w - 1), self.alts[:, :a] if a else None, cap(self.num_alts, a) if a else None,
+                    None if self.hinted is None else self.hinted[:, :w - 1])
 
 
 class Policy(Protocol):
@@ -115,6 +130,29 @@ class Selective:
                     None if hinted is None else hinted[:, :k].to(dev))
 
 
+@dataclass(frozen=True)
+class Budgeted:
+    """Any policy, its verify pass capped at `budget` tokens over all rows: each of B rows
+    verifies at most budget // B slots (at least anchor + one draft).
+
+    Why: a verify pass costs about its length once it is compute-bound (a CPU, or a GPU at high
+    concurrency), and with a batch of rows the drafts deep in a block are rarely accepted but
+    always paid for. One row keeps its whole block; eight share the budget. The width follows
+    the batch's shape, known on the host, so it costs no sync. (TensorRT-LLM's draft-length
+    schedule by batch size does the same, from a table.)
+    """
+
+    inner: Policy
+    budget: int
+
+    @property
+    def draft_threshold(self) -> float:
+        return self.inner.draft_threshold
+
+    def plan(self, anchor: torch.Tensor, prop: Proposal, flow: FlowState | None) -> Plan:
+        return self.inner.plan(anchor, prop, flow).within(self.budget // anchor.shape[0])
+
+
 def verify_lengths(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
     """How many drafts each row proposes [B]: the longest prefix whose estimated chance of being
     accepted whole (the product of the drafter's confidences [B, S-1]) is >= threshold; at least one."""
@@ -130,9 +168,12 @@ def alternative_counts(alt_conf: torch.Tensor, alternatives: int, threshold: flo
     return (alt_conf >= threshold).sum(-1)
 
 
-def policy_for(mode: str, verify_threshold: float, hint_trust: float, alternatives: int) -> Policy:
+def policy_for(mode: str, verify_threshold: float, hint_trust: float, alternatives: int,
+               verify_budget: int = 0) -> Policy:
     """The policy-free loop unless a setting asks for more (hints count in dflow mode only)."""
     hint_trust = hint_trust if mode == "dflow" else 0.0
     if verify_threshold == 0 and hint_trust == 0 and alternatives == 0:
-        return WholeBlock()
-    return Selective(verify_threshold, hint_trust, alternatives)
+        policy: Policy = WholeBlock()
+    else:
+        policy = Selective(verify_threshold, hint_trust, alternatives)
+    return Budgeted(policy, verify_budget) if verify_budget > 0 else policy

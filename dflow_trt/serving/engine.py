@@ -14,7 +14,7 @@ import itertools
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,6 +49,7 @@ class ServeConfig:
     max_concurrency: int = 8  # requests decoding at once without batching (max_batch 1, or back ends that cannot)
     max_batch: int = 8  # rows decoding together in one batch; 1: every request alone (no batching)
     max_queue: int = 64  # requests waiting for a batch row before the model answers busy
+    verify_budget: int = 32  # most tokens a verify pass carries over a batch's rows (0: no cap; policy.Budgeted)
     threads: int = 0  # torch intra-op threads; 0 = torch's default
 
     @classmethod
@@ -70,9 +71,9 @@ class ServeConfig:
             if kw.get(k):
                 kw[k] = resolve_path(kw[k], repo_dir)
         cfg = cls(**kw)
-        if cfg.max_batch < 1 or cfg.max_queue < 0 or cfg.max_concurrency < 1:
-            raise UserError(f"parameters max_batch and max_concurrency must be >= 1 and max_queue >= 0, got "
-                            f"{cfg.max_batch}, {cfg.max_concurrency}, {cfg.max_queue}")
+        if cfg.max_batch < 1 or cfg.max_queue < 0 or cfg.max_concurrency < 1 or cfg.verify_budget < 0:
+            raise UserError(f"parameters max_batch and max_concurrency must be >= 1, max_queue and verify_budget "
+                            f">= 0, got {cfg.max_batch}, {cfg.max_concurrency}, {cfg.max_queue}, {cfg.verify_budget}")
         if cfg.backend not in BACKENDS:
             raise UserError(f"parameter backend={cfg.backend!r}; use one of {', '.join(BACKENDS)}")
         if cfg.orchestration not in ORCHESTRATIONS:
@@ -242,7 +243,7 @@ class DecodingEngine:
             raise RequestError(f"mode {req.mode!r} is not served by this model (served: {', '.join(self.modes)})")
         loaded = self.modes[req.mode]
         prompt_ids = self._prompt_ids(req)
-        options = req.options()
+        options = replace(req.options(), verify_budget=self.cfg.verify_budget)
         drafter = loaded.drafter
         if loaded.llm is not None and req.block_size and req.mode != "ar" and req.block_size != loaded.block_size:
             raise RequestError(f"this model drafts blocks of {loaded.block_size} (TensorRT-LLM fixes the block "
