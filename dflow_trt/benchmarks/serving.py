@@ -62,14 +62,13 @@ def run(url: str | None = "127.0.0.1:8001", start: bool = False, models=("dflow"
         def pct(d):
             return "/".join(f"{d[k]:.0f}" for k in ("p50", "p90", "p99"))
 
-        for mode in modes:
-            for c in concurrency:
-                for model in models:
-                    p = run_point(url, prompts, mode, c, max(requests, c), max_tokens, model)
-                    points.append(p)
-                    con.print(f"{model} {mode} × {c}: {p.output_tokens_per_s:.1f} tokens/s", style="dim")
-                    rows.append([model, mode, c, f"{p.requests_per_s:.2f}", f"{p.output_tokens_per_s:.1f}",
-                                 f"{p.tau:.2f}", f"{p.batch_rows:.1f}", pct(p.ttft_ms), pct(p.itl_ms)])
+        for i, (mode, c) in enumerate((m, c) for m in modes for c in concurrency):
+            for model in models[i % len(models):] + models[:i % len(models)]:  # turns rotate: no model always first
+                p = run_point(url, prompts, mode, c, max(requests, c), max_tokens, model)
+                points.append(p)
+                con.print(f"{model} {mode} × {c}: {p.output_tokens_per_s:.1f} tokens/s", style="dim")
+                rows.append([model, mode, c, f"{p.requests_per_s:.2f}", f"{p.output_tokens_per_s:.1f}",
+                             f"{p.tau:.2f}", f"{p.batch_rows:.1f}", pct(p.ttft_ms), pct(p.itl_ms)])
         report.table(f"{', '.join(models)} at {url}: {max_tokens} tokens per request, {dataset} prompts",
                      ["model", "mode", "conc", "req/s", "tok/s", "tau", "rows", "TTFT p50/p90/p99 ms",
                       "ITL p50/p90/p99 ms"],
