@@ -10,6 +10,9 @@ commit moves the pointer (for a token tree it first moves the kept branch's K/V 
 is cropped. Every verify of block S has the same shapes when the attention reads the whole pool
 (`fixed_window`), which is what `torch.compile` without recompiles and CUDA-graph capture need; in
 eager mode the attention reads only the slots in use (one host read per commit, free on a CPU).
+A decode step of a small model is a chain of small ops, so the forward also does once what
+transformers does per layer: the attention mask is made additive once per call (not converted by
+every layer's attention), and each RMSNorm is one op (`F.rms_norm`, the same arithmetic in fp32).
 
 Shapes: B rows, S block slots, T prompt length, W attended slots, H/Hkv query/KV heads, D head size.
 """
@@ -22,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from ..decoding.interfaces import TargetOutput
-from ..targets.slots import prompt_slots
 from ..errors import UserError
 from ..targets.hf_target import HFTarget, tree_ancestors
+from ..targets.slots import prompt_slots
 
 FAMILIES = ("llama", "qwen3")
 # Pool slots past max_len: room for one block of a row at the end of its budget (and for finished
@@ -126,9 +129,11 @@ class StaticTarget:
         Returns (final hidden [B, S, hidden], taps [B, S, F])."""
         B, S, _ = x.shape
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, S, D]
+        if mask.dtype == torch.bool:  # additive once, not converted by every layer's attention
+            mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
         taps = []
         for i, layer in enumerate(self.layers):
-            a, h = layer.self_attn, layer.input_layernorm(x)
+            a, h = layer.self_attn, _rms(layer.input_layernorm, x)
             q = a.q_proj(h).view(B, S, -1, self.head_dim)  # [B, S, H, D]
             k = a.k_proj(h).view(B, S, -1, self.head_dim)  # [B, S, Hkv, D]
             v = a.v_proj(h).view(B, S, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
@@ -141,7 +146,7 @@ class StaticTarget:
             o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=self.scale,
                                                enable_gqa=kk.shape[1] != q.shape[1])  # [B, H, S, D]
             x = x + a.o_proj(o.transpose(1, 2).reshape(B, S, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + layer.mlp(_rms(layer.post_attention_layernorm, x))
             if i in self.tap_layers:
                 taps.append(x)
         order = sorted(self.tap_layers)  # taps concatenate in info.tap_layers order
@@ -293,6 +298,14 @@ class StaticTarget:
         bufs["depth"].copy_(depth)
         graph.replay()
         return out[0].clone(), out[1].clone()  # the graph's outputs are overwritten by the next replay
+
+
+def _rms(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The model's RMSNorm as one op where that is the same arithmetic (fp32); its own forward otherwise."""
+    eps = getattr(norm, "variance_epsilon", None)
+    if x.dtype != torch.float32 or norm.weight.dtype != torch.float32 or eps is None:
+        return norm(x)
+    return F.rms_norm(x, norm.weight.shape, norm.weight, eps)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
