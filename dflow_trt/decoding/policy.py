@@ -60,8 +60,8 @@ class Plan:
         return (self.hinted & sent).sum(1)
 
     def within(self, per_row: int) -> Plan:
-        """This plan verifying at most `per_row` slots a row (at least the anchor and one draft):
-        the chain's tail goes first, then alternatives. A prefix of the drafts is still a valid
+        """This plan verifying at most `per_row` slots a row (at least the anchor and one draft),
+        cutting the chain's tail first, then alternatives. A prefix of the drafts is still a valid
         proposal, so the output is unchanged; only the round's cost and commitment are."""
         K1, A = self.chain.shape[1], 0 if self.alts is None else self.alts.shape[1]
         w = max(2, min(K1, per_row - A))  # chain width
