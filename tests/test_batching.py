@@ -169,7 +169,7 @@ def test_scheduler_mix_gets_what_each_gets_alone(good):
 
 
 @pytest.mark.parametrize("budget", [0, 96])
-def test_sampled_rows_sharing_a_batch_keep_the_target_distribution(small_target, budget):
+def test_sampled_rows_sharing_a_batch_keep_the_target_distribution(small_target, budget, monkeypatch):
     """Sampled requests decoded as rows of shared batches (joining at different rounds) have the
     target's distribution: chi-square against plain sampling, first three tokens. With a verify
     budget the rows verify 96 // rows slots each (2 to 4): truncated blocks, truncated draft
@@ -182,12 +182,11 @@ def test_sampled_rows_sharing_a_batch_keep_the_target_distribution(small_target,
                                 stop_token_ids=())).token_ids
     sched = Scheduler(max_batch=64, max_queue=n, log=lambda m: None)
     o = DecodeOptions(mode="dflow", block_size=4, sampling=params, stop_token_ids=(), verify_budget=budget)
-    widths = _record_verify_widths(small_target)
+    widths = _record_verify_widths(monkeypatch, small_target)
     jobs = [sched.submit(small_target, drafter, prompt, dataclasses.replace(o, max_new_tokens=3 + k % 5))
             for k in range(n)]
     got = [_consume(j) for j in jobs]
     sched.close()
-    del small_target.verify
     B_w = {(b, w) for b, w in widths if b > 1}
     if budget:  # the budget was applied: every row within its share, and shares that changed with the rows
         assert all(w <= max(2, budget // b) for b, w in B_w) and {2, 4} <= {w for _, w in B_w}, sorted(B_w)
@@ -206,21 +205,21 @@ def test_sampled_rows_sharing_a_batch_keep_the_target_distribution(small_target,
     assert p > 1e-3, p
 
 
-def _record_verify_widths(target) -> list[tuple[int, int]]:
-    """Spy on `target.verify` (an instance attribute; `del target.verify` ends it): (rows, slots) per call."""
+def _record_verify_widths(monkeypatch, target) -> list[tuple[int, int]]:
+    """Spy on `target.verify` for the test: (rows, slots) per call."""
     seen, real = [], target.verify
 
     def verify(cache, tokens, parents=None):
         seen.append(tuple(tokens.shape))
         return real(cache, tokens, parents)
 
-    target.verify = verify
+    monkeypatch.setattr(target, "verify", verify)
     return seen
 
 
 @pytest.mark.parametrize("mode", ["dflash", "dflow"])
 @pytest.mark.parametrize("setting", ["whole-block", "cpu"])
-def test_verify_budget_shares_the_pass_among_rows_and_keeps_the_output(good, mode, setting):
+def test_verify_budget_shares_the_pass_among_rows_and_keeps_the_output(good, mode, setting, monkeypatch):
     """A verify budget of 12 tokens: four rows verify 3 slots each (the cpu setting: 2 of the chain
     and one first-draft alternative), and once one row is left it verifies its whole block. Every
     row still decodes the target's greedy tokens."""
@@ -229,21 +228,18 @@ def test_verify_budget_shares_the_pass_among_rows_and_keeps_the_output(good, mod
     extra = {"verify_threshold": 0.05, "alternatives": 7} if setting == "cpu" else {}
     o = DecodeOptions(mode=mode, max_new_tokens=N_NEW, block_size=8, verify_budget=12, **extra)
     want = [_alone(hf, p, N_NEW) for p in prompts]
-    widths = _record_verify_widths(hf)
-    try:
-        batch = DecodeBatch(hf, drafter, prompts, o)
-        for _ in range(3):
-            batch.round()
-        assert widths and all(w <= 3 for _, w in widths), widths
-        rows = list(batch.log.rows)
-        batch.keep([0])
-        widths.clear()
-        while not all(batch.log.done):
-            batch.round()
-        assert max(w for _, w in widths) > 3  # alone, the row has the whole budget again
-        batch.keep([0])
-    finally:
-        del hf.verify
+    widths = _record_verify_widths(monkeypatch, hf)
+    batch = DecodeBatch(hf, drafter, prompts, o)
+    for _ in range(3):
+        batch.round()
+    assert widths and all(w <= 3 for _, w in widths), widths
+    rows = list(batch.log.rows)
+    batch.keep([0])
+    widths.clear()
+    while not all(batch.log.done):
+        batch.round()
+    assert max(w for _, w in widths) > 3  # alone, the row has the whole budget again
+    monkeypatch.undo()  # the greedy references below run on the target as it is
     for b in range(4):  # rows 1-3 left after three rounds: a prefix of their greedy decode
         got = rows[b].tokens
         if b == 0:
