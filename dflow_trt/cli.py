@@ -158,8 +158,6 @@ def cmd_bench_serving(a: argparse.Namespace) -> int:
     check_output(str(bench.perf_analyzer_path(a.json_out)), "perf_analyzer input (--json-out)")
     if a.start and a.url:
         raise UserError("--start serves on its own address; pass --url or --start, not both")
-    if a.unbatched_baseline and not a.start:
-        raise UserError("--unbatched-baseline serves its own models: add --start")
     return bench.run(a.url or (None if a.start else "127.0.0.1:8001"), a.start, [m for m in a.models.split(",") if m],
                      [m for m in a.modes.split(",") if m], a.concurrency, a.requests, a.max_tokens, a.dataset,
                      a.json_out, a.unbatched_baseline)
