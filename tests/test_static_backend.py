@@ -6,7 +6,7 @@ import torch
 from conftest import assert_greedy_equivalent, chat_prompts
 from doubles import rounds, varied_drafter
 
-from dflow_trt.backends.static import BLOCK_HEADROOM, StaticTarget
+from dflow_trt.backends.static import BLOCK_HEADROOM, DECODE_ROWS, StaticTarget
 from dflow_trt.decoding.loop import generate
 from dflow_trt.decoding.options import DecodeOptions
 from dflow_trt.decoding.sampling import SamplingParams
@@ -63,6 +63,48 @@ def test_forward_equals_hf(family, request):
         out = StaticTarget(hf, max_len=128).prefill(ids, lens)[1]
     assert out.logits.shape == (3, 1, hf.info.vocab_size) and out.taps.shape[:2] == (3, T)
     _close(out.logits[:, 0], oh.logits[:, -1], "last-position prefill logits")
+
+
+class _MatmulsOn(torch.overrides.TorchFunctionMode):
+    """Records which of `weights` (by identity) were the right operand of a matmul."""
+
+    def __init__(self, weights):
+        super().__init__()
+        self.ids, self.used = {id(w) for w in weights}, set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("matmul", "__matmul__") and id(args[1]) in self.ids:
+            self.used.add(id(args[1]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_weights_for_small_calls(family, request):
+    """On a CPU, calls of at most DECODE_ROWS rows (ar steps, small batches) run on the transposed
+    copy of the weights (fused q|k|v and gate|up, the head), made once per model; wider calls on the
+    borrowed weights. Both within fp32 rounding of the eager target."""
+    hf = request.getfixturevalue(family)
+    st = StaticTarget(hf, max_len=64)
+    dw = st.decode
+    assert dw is not None and StaticTarget(hf, max_len=32).decode is dw, "one copy per model"
+    assert StaticTarget(hf, max_len=32, decode_weights=False).decode is None
+    every = [*dw.qkv, *dw.o, *dw.gate_up, *dw.down, dw.head]
+    ids = torch.tensor([[5, 17, 42, 9, 3, 77]])
+    lens = torch.tensor([6])
+    with torch.inference_mode():
+        ch, _ = hf.prefill(ids, lens)
+        cs, _ = st.prefill(ids, lens)
+        for S, kept in ((1, 1), (8, 3), (1, 1), (9, 2), (1, 1)):
+            blk = torch.randint(0, 250, (1, S), generator=torch.Generator().manual_seed(S + kept))
+            with _MatmulsOn(every) as spy:
+                b = st.verify(cs, blk)
+            a = hf.verify(ch, blk)
+            _close(b.logits, a.logits, f"verify {S} logits")
+            _close(b.taps, a.taps, f"verify {S} taps")
+            want = {id(w) for w in every} if S <= DECODE_ROWS else set()
+            assert spy.used == want, f"verify {S}: {len(spy.used)} of {len(every)} decode weights used"
+            hf.commit(ch, torch.tensor([kept]))
+            st.commit(cs, torch.tensor([kept]))
 
 
 class PartialOracle:
@@ -284,3 +326,29 @@ def test_generate_cli_backend_static_equals_torch(capsys):
         got[backend] = json.loads(capsys.readouterr().out)
     assert got["static"]["backend"] == "static"
     assert got["static"]["token_ids"] == got["torch"]["token_ids"] and len(got["torch"]["token_ids"]) == 12
+
+
+@pytest.mark.slow
+def test_smollm2_static_equals_ar_held_out(smollm2):
+    """SmolLM2-135M on held-out HumanEval and MT-Bench prompts, batched rows of different lengths:
+    `ar` (its steps on the decode weights), `dflash` and `dflow` (the shipped drafters, block 16 and
+    the CPU setting) on the static target give the eager target's greedy tokens."""
+    from conftest import chat_ids
+
+    from dflow_trt.drafter.defaults import load_target_and_drafter
+    from dflow_trt.evalsets import humaneval_prompts, mtbench_prompts
+
+    prompts = [chat_ids(smollm2, t) for t in (humaneval_prompts()[3], mtbench_prompts()[5], humaneval_prompts()[40])]
+    n = 32
+    want = [_ar(smollm2, [p], n)[0] for p in prompts]
+    st = StaticTarget(smollm2, max_len=max(map(len, prompts)) + n)
+    assert st.decode is not None
+    res = generate(st, None, prompts, DecodeOptions(mode="ar", max_new_tokens=n, stop_token_ids=()))
+    _check(smollm2, prompts, want, res.token_ids, n)
+    for mode in ("dflash", "dflow"):
+        _, model = load_target_and_drafter("smollm2-135m", None, mode, target=smollm2)
+        for extra in ({}, {"verify_threshold": 0.05, "alternatives": 7}):
+            res = generate(st, TorchDrafter(model), prompts,
+                           DecodeOptions(mode=mode, block_size=16, max_new_tokens=n, stop_token_ids=(), **extra))
+            _check(smollm2, prompts, want, res.token_ids, n)
+            assert res.tau > 1.0, (mode, extra)  # the drafters really drafted
