@@ -137,7 +137,7 @@ def cmd_bench_static(a: argparse.Namespace) -> int:
     check_output(a.json_out, "static back end report (--json-out)")
     dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
     return bench.run(a.target, a.size, a.mode, a.device, dtype, a.context, a.block_size, a.repeats, a.new_tokens,
-                     a.compile, a.cuda_graphs, a.threads, a.json_out)
+                     a.compile, a.cuda_graphs, a.threads, a.json_out, a.pad_block)
 
 
 def cmd_bench_fp8_matmul(a: argparse.Namespace) -> int:
@@ -373,6 +373,9 @@ def _add_bench(sub) -> None:
     st.add_argument("--new-tokens", type=START, default=48, help="generate() tokens per mode (0 skips it)")
     st.add_argument("--compile", action="store_true", help="also time the static target under torch.compile")
     st.add_argument("--cuda-graphs", action="store_true", help="also time it with CUDA-graph replay (--device cuda)")
+    st.add_argument("--pad-block", action="store_true",
+                    help="also a static target verifying every call as one block (ar bit for bit in bf16); pads "
+                         "the graph variant too")
     st.add_argument("--threads", type=THREADS, default=None)
     json_out(st, "docs/bench_static.json")
 

@@ -16,6 +16,16 @@ from dflow_trt.errors import UserError
 FAMILIES = ("tiny_qwen3", "tiny_llama")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny targets' tensors are too small to share out: on a busy machine two threads wait on each
+    other at every op (a tiny-model decode measured 50x slower beside one other job)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _close(a, b, what):
     """fp32 rounding: a verify's sums differ from the eager path's in the last bits only."""
     scale = max(1.0, float(b.abs().max()))
@@ -352,3 +362,81 @@ def test_smollm2_static_equals_ar_held_out(smollm2):
                            DecodeOptions(mode=mode, block_size=16, max_new_tokens=n, stop_token_ids=(), **extra))
             _check(smollm2, prompts, want, res.token_ids, n)
             assert res.tau > 1.0, (mode, extra)  # the drafters really drafted
+
+
+def test_pad_block_makes_bf16_drafting_equal_ar_bit_for_bit(tiny_qwen3):
+    """In bf16 a 1-row `ar` step and a 16-row verify round differently, so greedy drafting can leave
+    `ar` at a near tie. With `pad_block` every verify runs as the same padded block: a position's
+    logits are the same bits alone or inside a block, and dflow (blocks accepted in part, in full,
+    and trees) equals `ar` exactly, batched rows of different lengths. Padding in fp32 changes
+    nothing beyond rounding. (Measured here with this oracle, 8 rows × 64 tokens, blocks 4 and 16:
+    unpadded, dflow left `ar` in 3-4 of 8 rows on the eager target and 2 on the static one; padded, in
+    none. Not asserted: which rows round differently depends on the CPU's kernels.)"""
+    import copy
+
+    from dflow_trt.targets.hf_target import HFTarget
+
+    hf = HFTarget(copy.deepcopy(tiny_qwen3.model).to(torch.bfloat16), "tiny-qwen3-bf16", tiny_qwen3.info.tap_layers,
+                  tokenizer=tiny_qwen3.tokenizer)
+    st = StaticTarget(hf, max_len=200, pad_block=8)
+    widths, inner = [], st._verify
+
+    def spy(ks, vs, ids, *rest):
+        widths.append(ids.shape[1])
+        return inner(ks, vs, ids, *rest)
+
+    st._verify = spy
+    prompts = chat_prompts(hf, 8)
+    with torch.inference_mode():  # one position, alone (an ar step) and as slot 0 of a block of 8
+        ids, lens = torch.tensor([prompts[0]]), torch.tensor([len(prompts[0])])
+        blk = torch.tensor([[7, 11, 13, 17, 19, 23, 29, 31]])
+        alone = st.verify(st.prefill(ids, lens)[0], blk[:, :1])
+        inside = st.verify(st.prefill(ids, lens)[0], blk)
+        assert torch.equal(alone.logits[:, 0], inside.logits[:, 0]) and torch.equal(alone.taps[:, 0], inside.taps[:, 0])
+        assert alone.logits.shape[1] == 1 and inside.logits.shape[1] == 8
+    n = 48
+    ar = generate(st, None, prompts, DecodeOptions(mode="ar", max_new_tokens=n + 8, stop_token_ids=())).token_ids
+    assert set(widths) == {8}, widths  # every ar step ran as a block of 8
+    d = PartialOracle([p + a for p, a in zip(prompts, ar)], 8, alternatives=True)
+    for alternatives in (0, 2):
+        res = generate(st, d, prompts, DecodeOptions(mode="dflow", block_size=8, max_new_tokens=n, stop_token_ids=(),
+                                                     alternatives=alternatives))
+        assert res.token_ids == [a[:n] for a in ar], alternatives  # exact: no tie allowance
+        seen = rounds(res.acceptance_lengths, 8)
+        assert seen["partial"] > 0, seen  # a wrong draft every 5 positions
+    assert res.alternatives_taken > 0
+    # fp32: padded and unpadded verifies agree within rounding, and the decode equals eager ar
+    st32 = StaticTarget(tiny_qwen3, max_len=160, pad_block=16)
+    with torch.inference_mode():
+        a = st32.verify(st32.prefill(ids, lens)[0], blk[:, :3])
+        b = StaticTarget(tiny_qwen3, max_len=160).verify(st32.prefill(ids, lens)[0], blk[:, :3])
+    _close(a.logits, b.logits, "padded verify logits")
+    want = _ar(tiny_qwen3, prompts, n)
+    _check(tiny_qwen3, prompts, want, generate(st32, None, prompts, DecodeOptions(
+        mode="ar", max_new_tokens=n, stop_token_ids=())).token_ids, n)
+    with pytest.raises(UserError, match="pad_block"):
+        StaticTarget(tiny_qwen3, pad_block=BLOCK_HEADROOM + 1)
+
+
+def test_gpu_script_runs_on_the_cpu(tmp_path):
+    """`scripts/gpu_static.sh`, the lent GPU's one call, end to end on the CPU with the smoke size:
+    a report per context with the padded static target, its bandwidth floor, and every back end's
+    drafting mode equal to its own ar."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "SIZE": "smoke", "DEVICE": "cpu", "CONTEXTS": "24 40", "REPEATS": "1", "NEW_TOKENS": "4",
+           "THREADS": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
+    r = subprocess.run(["bash", str(root / "scripts" / "gpu_static.sh")], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    for ctx in (24, 40):
+        rep = json.loads((tmp_path / f"bench_static_smoke_ctx{ctx}.json").read_text())
+        assert rep["context"] == ctx and [x["backend"] for x in rep["rows"]] == ["eager", "static", "static+pad"]
+        assert rep["bandwidth_floor_ms"] > 0 and rep["step_weight_bytes"] > 0
+        assert all(g["equals_own_ar"] and g["same_tokens_as_eager"] for g in rep["generate"])
+    assert "pytest exit" not in r.stdout  # the CUDA test tier runs on a GPU only

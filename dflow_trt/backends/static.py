@@ -103,13 +103,18 @@ class StaticTarget:
     (all the loop reads: `out.logits[:, -1]`), "all" [B, T, V] like the eager target. `compile`:
     `torch.compile` the verify forward (fixed shapes). `cuda_graphs`: capture each verify shape
     once and replay it (CUDA only). `decode_weights`: the transposed copy for calls of at most
-    `DECODE_ROWS` rows (None: on a CPU, where it pays)."""
+    `DECODE_ROWS` rows (None: on a CPU, where it pays). `pad_block`: verify every block, an `ar`
+    step's single token included, as this many slots (the real ones first, then filler the real ones
+    never attend), so a position's logits come from the same kernels whichever block it sits in:
+    greedy drafting then equals `ar` bit for bit in bf16, where a 16-row and a 1-row matmul round
+    differently. It costs an `ar` step a block's compute: for a GPU, where both stream the same bytes."""
 
     supports_tree = True
     joins_rows = True
 
     def __init__(self, hf: HFTarget, max_len: int | None = None, prefill_logits: str = "last",
-                 compile: bool = False, cuda_graphs: bool = False, decode_weights: bool | None = None):
+                 compile: bool = False, cuda_graphs: bool = False, decode_weights: bool | None = None,
+                 pad_block: int = 0):
         model, c = hf.model, hf.model.config
         if c.model_type not in FAMILIES:
             raise UserError(f"the static back end runs {', '.join(FAMILIES)} targets, not {c.model_type!r}; "
@@ -126,6 +131,10 @@ class StaticTarget:
         if cuda_graphs and hf.device.type != "cuda":
             raise UserError("CUDA graphs need a CUDA target (load it with --device cuda); drop --cuda-graphs on "
                             "a CPU")
+        if not 0 <= pad_block <= BLOCK_HEADROOM:
+            raise UserError(f"pad_block {pad_block} must be between 0 (off) and the pool's headroom of "
+                            f"{BLOCK_HEADROOM} slots; use the block size")
+        self.pad_block = pad_block
         ctx = getattr(c, "max_position_embeddings", None)
         self.max_len = int(max_len or min(ctx or DEFAULT_MAX_LEN, DEFAULT_MAX_LEN))
         if ctx and self.max_len > ctx:
@@ -168,7 +177,8 @@ class StaticTarget:
 
     def with_taps(self, tap_layers: tuple[int, ...]) -> StaticTarget:
         return StaticTarget(self.hf.with_taps(tap_layers), self.max_len, self.prefill_logits,
-                            self._verify is not self._verify_core, self.cuda_graphs, self.decode is not None)
+                            self._verify is not self._verify_core, self.cuda_graphs, self.decode is not None,
+                            self.pad_block)
 
     # ------------------------------------------------------------------ the forward
 
@@ -278,21 +288,24 @@ class StaticTarget:
         if S > BLOCK_HEADROOM:
             raise UserError(f"block of {S} slots exceeds the static pool's headroom of {BLOCK_HEADROOM}; "
                             f"use a block size of at most {BLOCK_HEADROOM}")
+        P = max(S, self.pad_block)  # slots verified: the block, then filler continuing its last branch
         if parents is None:
-            anc, depth = self._chain(S)
+            anc, depth = self._chain(P)
         else:
             if parents.shape != (S,):
                 raise ValueError(f"parents needs one entry per block slot ({S}), got {list(parents.shape)}")
-            anc = tree_ancestors(parents.tolist(), self.device)  # [S, S]
-            depth = anc.sum(-1) - 1  # [S]
-        W = self.slots if self.fixed_window else min(self.slots, cache.hi + S)
+            anc = tree_ancestors(parents.tolist() + list(range(S - 1, P - 1)), self.device)  # [P, P]
+            depth = anc.sum(-1) - 1  # [P]
+        W = self.slots if self.fixed_window else min(self.slots, cache.hi + P)
         ids = block_ids.to(self.device)
+        if P > S:
+            ids = torch.cat([ids, ids[:, -1:].expand(-1, P - S)], 1)  # [B, P]
         if self.cuda_graphs:
             logits, taps = self._replay(cache, ids, anc, depth)
         else:
             logits, taps = self._verify(cache.k, cache.v, ids, cache.fill, anc, depth, W)
         cache.pending = S
-        return TargetOutput(logits=logits, taps=taps)
+        return TargetOutput(logits=logits[:, :S], taps=taps[:, :S])
 
     @torch.inference_mode()
     def commit(self, cache: StaticCache, num_kept: torch.Tensor, path: torch.Tensor | None = None) -> None:
