@@ -431,8 +431,8 @@ def test_gpu_script_runs_on_the_cpu(tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "SIZE": "smoke", "DEVICE": "cpu", "CONTEXTS": "24 40", "REPEATS": "1", "NEW_TOKENS": "4",
            "THREADS": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
-    r = subprocess.run(["bash", str(root / "scripts" / "gpu_static.sh")], cwd=root, env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(["bash", str(root / "scripts" / "gpu_static.sh")], check=False, cwd=root, env=env,
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     for ctx in (24, 40):
         rep = json.loads((tmp_path / f"bench_static_smoke_ctx{ctx}.json").read_text())
