@@ -4,6 +4,7 @@ and `load_backends` on the ONNX Runtime back end equal to torch."""
 import json
 
 import pytest
+import torch
 
 from conftest import PROMPTS_TEXT, chat_ids
 from dflow_trt.loading import load_backends
@@ -40,6 +41,29 @@ def test_build_writes_everything(built):
     assert opts["speculative_config"]["max_draft_len"] == m["drafters"]["dflash"]["block_size"] - 1
     if m["engines"] != "built":
         assert "GPU host" in m["engines"] and any("engines: SKIPPED" in line for line in logs)
+
+
+def test_build_writes_the_dflow_plugin_folder_and_its_llm_api_options(built):
+    """The DFlow drafter in z-lab's layout with its flow branch beside it (the TensorRT-LLM plug-in's
+    folder, the branch equal to the built drafter's), and `llm_api_dflow.json` naming it and the
+    plug-in: served as dflow where `llm_api.json` serves dflash."""
+    from dflow_trt.backends.tensorrt_llm import llm_api_options, served_modes
+    from dflow_trt.backends.trtllm_dflow import PLUGIN_MODULE
+    from dflow_trt.backends.trtllm_dflow.relay_io import FLOW_FILE, flow_state_dict, load_flow_branch
+    from dflow_trt.drafter.defaults import load_target_and_drafter
+
+    spec, out, _ = built
+    m = json.loads((out / "manifest.json").read_text())
+    folder = out / "fp8/hf/drafter-dflow-dflash"
+    assert json.loads((folder / "config.json").read_text())["dflash_config"]["target_layer_ids"] == m["target"]["tap_layers"]
+    _, drafter = load_target_and_drafter("tiny-qwen3", m["drafters"]["dflow"]["path"], "dflow", warn=lambda msg: None)
+    want, got = flow_state_dict(drafter), load_flow_branch(folder / FLOW_FILE).state_dict()
+    assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want)
+    opts = llm_api_options(out, dflow=True)
+    assert served_modes(opts) == ("dflow",) and opts["dflow_plugin"] == PLUGIN_MODULE
+    assert opts["speculative_config"]["speculative_model"] == str(folder.resolve())
+    assert served_modes(llm_api_options(out)) == ("dflash",)
+    assert "flow branch" in m["zlab_dflash_layout"]["dflow"]
 
 
 def test_rebuild_is_cached_and_unfinished_stages_rerun(built):

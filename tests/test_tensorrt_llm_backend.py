@@ -42,6 +42,19 @@ def test_options_come_from_the_build(tmp_path):
         llm_api_options(tmp_path)
 
 
+def test_trtllm_dflow_parameter_picks_the_plugin_options(tmp_path):
+    """Served model parameter `trtllm_dflow 1` reads the build's llm_api_dflow.json (refused in one
+    line where the build has none, or with another back end)."""
+    b = _build(tmp_path)
+    with pytest.raises(UserError, match="llm_api_dflow.json is missing; .* with a DFlow drafter"):
+        DecodingEngine(ServeConfig(target="tiny-qwen3", backend="tensorrt_llm", build_dir=str(b), trtllm_dflow=1),
+                       log=lambda m: None)
+    for params in ({"trtllm_dflow": "1"}, {"trtllm_dflow": "2", "backend": "tensorrt_llm"}):
+        with pytest.raises(UserError, match="parameter trtllm_dflow=.* is 0 or 1, and 1 only with backend=tensorrt_llm"):
+            ServeConfig.from_parameters(params)
+    assert ServeConfig.from_parameters({"trtllm_dflow": "1", "backend": "tensorrt_llm"}).trtllm_dflow == 1
+
+
 def test_build_without_zlab_drafter_serves_ar_only(tmp_path):
     assert served_modes(llm_api_options(_build(tmp_path, spec=False))) == ("ar",)
 

@@ -335,6 +335,39 @@ def test_plugin_registers_its_builder_and_wraps_the_factory(installed, drafters,
     assert torch.equal(drafter.dflow_flow.no_flow, drafters[True].no_flow)
 
 
+def test_plugin_loads_the_exported_dflow_folder(installed, drafters, tmp_path):
+    """`export_drafter_hf(layout="dflash+flow")`, what `build` writes for a DFlow drafter: the DFlash
+    part under z-lab's names with no flow tensor among them, the flow branch beside it; the plug-in's
+    builder takes that folder as DFlow with the drafter's own branch. Layout refusals in one line."""
+    from safetensors import safe_open
+
+    from dflow_trt.drafter.model import DFlowDrafter
+    from dflow_trt.export.hf_drafter import export_drafter_hf
+
+    plugin, mods, _ = installed
+    d = copy.deepcopy(drafters[True])
+    with torch.no_grad():
+        d.no_flow.normal_(generator=torch.Generator().manual_seed(3))
+    out = export_drafter_hf(d, tmp_path / "dflow-dflash", "dflash+flow")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["dflash_config"]["target_layer_ids"] == list(
+        d.config.tap_layers)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "fc.weight" in names and not {n for n in names if n.split(".")[0] in DFlowDrafter.FLOW_BRANCH}
+    spec = types.SimpleNamespace(spec_dec_mode=mods["tensorrt_llm._torch.speculative.interface"]
+                                 .SpeculativeDecodingMode.DFLASH, speculative_model=str(out), attention_backend="VANILLA")
+    loaded = plugin.build_dflow_draft(types.SimpleNamespace(spec_config=spec), None, None, None)
+    assert isinstance(loaded, plugin.DFlowDrafterForCausalLM)
+    want = flow_state_dict(d)
+    assert all(torch.equal(want[k], v) for k, v in loaded.dflow_flow.state_dict().items())
+    with pytest.raises(UserError, match="no flow branch: use layout dflash"):
+        export_drafter_hf(drafters[False], tmp_path / "x", "dflash+flow")
+    with pytest.raises(UserError, match="layout dflash\\+flow"):
+        export_drafter_hf(drafters[True], tmp_path / "y", "dflash")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
 @torch.no_grad()
 def test_plugin_worker_adds_the_relay_from_the_second_gen_step_on(installed, drafter_and_verify):
     plugin, _, _ = installed

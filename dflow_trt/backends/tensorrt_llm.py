@@ -30,11 +30,13 @@ from ..errors import UserError
 from .trtllm_dflow import PLUGIN_MODULE
 
 
-def llm_api_options(build_dir: str | Path) -> dict:
-    """The LLM-API options the build wrote (trtllm/llm_api.json), checked for what we need."""
-    p = Path(build_dir) / "trtllm" / "llm_api.json"
+def llm_api_options(build_dir: str | Path, dflow: bool = False) -> dict:
+    """The LLM-API options the build wrote, checked for what we need: trtllm/llm_api.json (DFlash),
+    or with `dflow` trtllm/llm_api_dflow.json (the DFlow drafter through the plug-in)."""
+    p = Path(build_dir) / "trtllm" / ("llm_api_dflow.json" if dflow else "llm_api.json")
     if not p.is_file():
-        raise UserError(f"{p} is missing; write it with `python scripts/build_engines.py --out {build_dir}`")
+        raise UserError(f"{p} is missing; write it with `python scripts/build_engines.py --out {build_dir}`"
+                        + (" with a DFlow drafter" if dflow else ""))
     opts = json.loads(p.read_text())
     if not Path(opts.get("model", "")).is_dir():
         raise UserError(f"{p} names target checkpoint {opts.get('model')!r}, which does not exist; rebuild "

@@ -5,8 +5,10 @@
       onnx/target/, onnx/drafter-<label>/ ONNX graphs (+ external data, meta json)
       fp8/hf/target/                      ModelOpt HF FP8 checkpoint of the target (+ tokenizer)
       fp8/hf/drafter-<label>/             FP8 drafter, our layout; `-dflash` suffix: z-lab's DFlash layout
+                                          (a DFlow drafter's with its flow branch, for the TensorRT-LLM plug-in)
       trtllm/checkpoints/*-tp<N>/         TensorRT-LLM checkpoints, rank0..rank<N-1>
       trtllm/llm_api.{yaml,json}          LLM-API options (PyTorch back end, FP8 target, DFlash drafting)
+      trtllm/llm_api_dflow.json           the same with the DFlow drafter through the plug-in
       trtllm/build_engines.sh             the engine build, for GPU hosts
       trtllm/engines/                     engines (only where tensorrt_llm and a GPU exist)
       reports/fp8_check.json              the FP8 accuracy report
@@ -216,14 +218,16 @@ class Build:
             if note:
                 self.log(f"  note: drafter-{k} in z-lab's DFlash layout: {note}")
         for k, m in drafters.items():
-            zlab = self.zlab[k] is None
-            outs = [hf / f"drafter-{k}"] + ([hf / f"drafter-{k}-dflash"] if zlab else [])
+            # z-lab's layout for a flow-off drafter; for a DFlow drafter the same folder with its flow
+            # branch beside it (`dflash+flow`), what TensorRT-LLM's DFlash mode loads with the plug-in
+            layout = "dflash" if self.zlab[k] is None else "dflash+flow"
+            outs = [hf / f"drafter-{k}", hf / f"drafter-{k}-dflash"]
 
-            def write(k=k, zlab=zlab):
+            def write(k=k, layout=layout):
                 hf_drafter.export_drafter_hf(q_drafter(k), hf / f"drafter-{k}", "dflow")
-                if zlab:
-                    hf_drafter.export_drafter_hf(q_drafter(k), hf / f"drafter-{k}-dflash", "dflash")
-            self.stage(f"fp8-hf-drafter-{k}", {**calib_in, "drafter": src[f"drafter-{k}"]}, outs, write)
+                hf_drafter.export_drafter_hf(q_drafter(k), hf / f"drafter-{k}-dflash", layout)
+            self.stage(f"fp8-hf-drafter-{k}", {**calib_in, "drafter": src[f"drafter-{k}"], "layout": layout}, outs,
+                       write)
 
         tp = s.tp_size
         ck = self.dir / "trtllm" / "checkpoints"
@@ -235,7 +239,9 @@ class Build:
                        lambda k=k: trtllm.export_drafter_checkpoint(q_drafter(k), ck / f"drafter-{k}-tp{tp}", tp))
 
         flow_off = [k for k in drafters if self.zlab[k] is None]
+        flow_on = [k for k in drafters if self.zlab[k] is not None]
         dflash_dir = str((hf / f"drafter-{flow_off[0]}-dflash").resolve()) if flow_off else None
+        dflow_dir = str((hf / f"drafter-{flow_on[0]}-dflash").resolve()) if flow_on else None
         block = drafters[flow_off[0]].config.block_size if flow_off else next(iter(drafters.values())).config.block_size
         trt = self.dir / "trtllm"
         engine_dir = trt / "engines" / f"target-tp{tp}"
@@ -245,12 +251,19 @@ class Build:
             mask = drafters[flow_off[0]].config.mask_token_id if flow_off else None
             opts = trtllm.llm_api_config(str((hf / "target").resolve()), dflash_dir, block,
                                          list(target.info.tap_layers), tp, mask)
-            for name, text in (("llm_api.json", json.dumps(opts, indent=2) + "\n"), ("llm_api.yaml", trtllm.to_yaml(opts) + "\n"),
-                               ("build_engines.sh", "#!/usr/bin/env bash\n# TensorRT-LLM engine build (GPU host)\nset -euo pipefail\n"
-                                + "\n".join(" ".join(c) for c in commands) + "\n")):
+            files = [("llm_api.json", json.dumps(opts, indent=2) + "\n"), ("llm_api.yaml", trtllm.to_yaml(opts) + "\n"),
+                     ("build_engines.sh", "#!/usr/bin/env bash\n# TensorRT-LLM engine build (GPU host)\nset -euo pipefail\n"
+                      + "\n".join(" ".join(c) for c in commands) + "\n")]
+            if dflow_dir:  # DFlow through the plug-in: our loader reads `dflow_plugin` (not an LLM argument)
+                c = drafters[flow_on[0]].config
+                dopts = trtllm.llm_api_config(str((hf / "target").resolve()), dflow_dir, c.block_size,
+                                              list(target.info.tap_layers), tp, c.mask_token_id, dflow=True)
+                files.append(("llm_api_dflow.json", json.dumps(dopts, indent=2) + "\n"))
+            for name, text in files:
                 write_text(trt / name, text)
-        self.stage("trtllm-configs", {**base_in, "tp": tp, "dflash": dflash_dir, "block": block},
-                   [trt / "llm_api.json", trt / "llm_api.yaml", trt / "build_engines.sh"], write_configs)
+        self.stage("trtllm-configs", {**base_in, "tp": tp, "dflash": dflash_dir, "dflow": dflow_dir, "block": block},
+                   [trt / "llm_api.json", trt / "llm_api.yaml", trt / "build_engines.sh"]
+                   + ([trt / "llm_api_dflow.json"] if dflow_dir else []), write_configs)
 
         if s.fp8_check:
             report_path = self.dir / "reports" / "fp8_check.json"
@@ -289,7 +302,8 @@ class Build:
                "dtypes": {"onnx": "float32", "fp8_hf": "float8_e4m3fn weights+activations (per-tensor), rest float32",
                           "trtllm_target": "float8_e4m3fn weights+activations, rest float16",
                           "trtllm_drafter": "float8_e4m3fn weights+activations, rest float32"},
-               "zlab_dflash_layout": {k: (f"not written: {why}" if why else
+               "zlab_dflash_layout": {k: ("written with its flow branch (dflow_flow.safetensors), the TensorRT-LLM "
+                                          "DFlow plug-in's folder" if why else
                                           "written" + (f" ({n})" if (n := self.zlab_notes.get(k)) else ""))
                                       for k, why in getattr(self, "zlab", {}).items()},
                "tools": self.tools, "artefacts": self.artefacts, "engines": getattr(self, "engines", None)}

@@ -9,6 +9,9 @@
   `fc`, `hidden_norm`, `layers.{i}.self_attn.*`, `layers.{i}.mlp.*`, `norm`. No embeddings or LM
   head (the target's are used). A reduced draft vocabulary is dropped there: the drafter then
   drafts over the full LM head (recorded in `dflow_config.draft_vocab_size`).
+- `dflash+flow` layout (flow on): the TensorRT-LLM DFlow plug-in's folder. A DFlow drafter's DFlash
+  part in the `dflash` layout, so TensorRT-LLM's loader reads it as any DFlash drafter, and its flow
+  branch beside it in `dflow_flow.safetensors` (`backends/trtllm_dflow/relay_io.py`), full precision.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..atomic import atomic_dir
+from ..backends.trtllm_dflow.relay_io import save_flow_branch
 from ..drafter.config import DrafterConfig
 from ..drafter.model import DFlowDrafter
 from ..errors import UserError
@@ -70,12 +74,17 @@ def dflash_config(drafter: DFlowDrafter, dtype: str = "float32") -> dict:
 
 def export_drafter_hf(drafter: DFlowDrafter, out_dir: str | Path, layout: str = "dflow") -> Path:
     """FP8 (if `drafter` is ModelOpt-quantized) or full-precision HF checkpoint, written atomically."""
-    if layout not in ("dflow", "dflash"):
+    if layout not in ("dflow", "dflash", "dflash+flow"):
         raise ValueError(layout)
     c = drafter.config
     why = zlab_unsupported(c) if layout == "dflash" else None
     if why:
-        raise UserError(f"z-lab's DFlash layout cannot hold this drafter: {why}")
+        raise UserError(f"z-lab's DFlash layout cannot hold this drafter: {why}; the DFlow plug-in's folder "
+                        f"(layout dflash+flow) can")
+    if layout == "dflash+flow":
+        if not c.flow:
+            raise UserError("layout dflash+flow is a DFlow drafter's; this one has no flow branch: use layout dflash")
+        c.check_exportable("the DFlow plug-in's drafter folder")
     quantized = any(hasattr(m, "weight_quantizer") for m in drafter.modules())
     if quantized:
         sd = drafter_fp8_state_dict(drafter)
@@ -83,9 +92,12 @@ def export_drafter_hf(drafter: DFlowDrafter, out_dir: str | Path, layout: str = 
         sd = {k: v.detach().float().contiguous() for k, v in drafter.state_dict().items()
               if k not in ("embed_weight", "lm_head_weight")}
     with atomic_dir(out_dir) as tmp:
-        if layout == "dflash":
-            sd = {zlab_name(k): v for k, v in sd.items() if k != "draft_vocab"}
+        if layout != "dflow":  # the DFlash part: what TensorRT-LLM's loader has modules for
+            sd = {zlab_name(k): v for k, v in sd.items()
+                  if k != "draft_vocab" and k.split(".")[0] not in DFlowDrafter.FLOW_BRANCH}
             config = dflash_config(drafter)
+            if layout == "dflash+flow":
+                save_flow_branch(drafter, tmp)
         else:
             config = {**c.to_dict(), "architectures": ["DFlowDrafter"], "dflow_config": drafter_record(drafter)}
         if quantized:

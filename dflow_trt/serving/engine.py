@@ -50,6 +50,7 @@ class ServeConfig:
     max_batch: int = 8  # rows decoding together in one batch; 1: every request alone (no batching)
     max_queue: int = 64  # requests waiting for a batch row before the model answers busy
     verify_budget: int = 32  # most tokens a verify pass carries over a batch's rows (0: no cap; policy.Budgeted)
+    trtllm_dflow: int = 0  # backend=tensorrt_llm: 1 serves dflow (the build's llm_api_dflow.json, the plug-in)
     threads: int = 0  # torch intra-op threads; 0 = torch's default
 
     @classmethod
@@ -78,6 +79,9 @@ class ServeConfig:
             raise UserError(f"parameter backend={cfg.backend!r}; use one of {', '.join(BACKENDS)}")
         if cfg.orchestration not in ORCHESTRATIONS:
             raise UserError(f"parameter orchestration={cfg.orchestration!r}; use one of {', '.join(ORCHESTRATIONS)}")
+        if cfg.trtllm_dflow not in (0, 1) or (cfg.trtllm_dflow and cfg.backend != "tensorrt_llm"):
+            raise UserError(f"parameter trtllm_dflow={cfg.trtllm_dflow} is 0 or 1, and 1 only with backend=tensorrt_llm "
+                            f"(backend={cfg.backend!r}); drop it or set backend tensorrt_llm")
         return cfg
 
 
@@ -163,14 +167,14 @@ class DecodingEngine:
             raise UserError("backend=tensorrt_llm needs parameter build_dir (a folder written by "
                             "`python scripts/build_engines.py`)")
         bdir, man = open_build(self.cfg.build_dir, self.cfg.target)
-        opts = llm_api_options(bdir)
+        opts = llm_api_options(bdir, dflow=bool(self.cfg.trtllm_dflow))
         llm = load_llm(opts)
         block = opts.get("speculative_config", {}).get("max_draft_len", 0) + 1
         self.vocab_size = man["target"]["vocab_size"]
         modes = served_modes(opts)
         self.log(f"backend=tensorrt_llm: TensorRT-LLM drafts and verifies itself, serving {', '.join(modes)}"
-                 + ("" if "dflow" in modes else "; mode dflow needs the DFlow plug-in (docs/tensorrt_llm_dflow.md) "
-                    "or the BLS layout"))
+                 + ("" if "dflow" in modes else "; mode dflow needs parameter trtllm_dflow 1 (the DFlow plug-in, "
+                    "docs/tensorrt_llm_dflow.md) or the BLS layout"))
         return {m: _Loaded(None, None, llm=llm, block_size=block) for m in modes}, load_tokenizer(self.cfg.target)
 
     def _ensure_loaded(self) -> None:

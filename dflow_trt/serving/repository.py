@@ -75,7 +75,7 @@ output [
 DEFAULTS: dict[str, dict[str, str]] = {
     "dflow": {"target": "smollm2-135m", "backend": "torch", "build_dir": "", "dflash_drafter": "",
               "dflow_drafter": "", "orchestration": "inprocess", "max_tokens": "1024", "max_concurrency": "8",
-              "max_batch": "8", "max_queue": "64", "verify_budget": "32", "threads": "0"},
+              "max_batch": "8", "max_queue": "64", "verify_budget": "32", "trtllm_dflow": "0", "threads": "0"},
     "dflow_bls": {"target": "smollm2-135m", "orchestration": "bls", "max_tokens": "1024", "max_concurrency": "8"},
     "target": {"target": "smollm2-135m", "backend": "torch", "build_dir": "", "drafter": "", "threads": "0",
                "max_sessions": "64", "session_idle_s": "30", "max_response_mb": "64"},

@@ -77,7 +77,8 @@ def flow_state_dict(drafter: DFlowDrafter) -> dict[str, torch.Tensor]:
         raise UserError("this drafter has no flow branch (flow off: plain DFlash); the DFlow plug-in needs a "
                         "flow-conditioned drafter")
     drafter.config.check_exportable("the DFlow plug-in's flow branch")
-    return {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()
+    # parameters only: a ModelOpt-quantized drafter's quantizer buffers stay out (the branch ships full precision)
+    return {k: v.detach().float().cpu().contiguous() for k, v in drafter.named_parameters()
             if k.split(".")[0] in DFlowDrafter.FLOW_BRANCH}
 
 
