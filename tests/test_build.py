@@ -52,7 +52,7 @@ def test_build_writes_the_dflow_plugin_folder_and_its_llm_api_options(built):
     from dflow_trt.backends.trtllm_dflow.relay_io import FLOW_FILE, flow_state_dict, load_flow_branch
     from dflow_trt.drafter.defaults import load_target_and_drafter
 
-    spec, out, _ = built
+    _, out, _ = built
     m = json.loads((out / "manifest.json").read_text())
     folder = out / "fp8/hf/drafter-dflow-dflash"
     assert json.loads((folder / "config.json").read_text())["dflash_config"]["target_layer_ids"] == m["target"]["tap_layers"]
