@@ -275,3 +275,16 @@ def test_fp8_speculative_equals_fp8_ar(fp8_target, fp8_refs, mode):
             assert set(flat) == {S}  # whole blocks accepted
         elif kind == "partly":
             assert min(flat) == 1 and max(flat) >= 4 and res.tau > 1.5, flat  # multi-token acceptances and rejections
+
+
+def test_fp8_static_target_keeps_the_quantized_forward(fp8_target, fp8_refs):
+    """The static back end over the FP8 (fake-quant) target: no transposed decode copy (that would
+    skip the quantizers), and its ar decode is FP8 ar's."""
+    from dflow_trt.backends.static import StaticTarget
+
+    st = StaticTarget(fp8_target, max_len=128)
+    assert st.decode is None
+    prompts, n, _, ar_long = fp8_refs
+    res = generate(st, None, prompts, DecodeOptions(mode="ar", max_new_tokens=n, stop_token_ids=()))
+    for b, p in enumerate(prompts):
+        assert_greedy_equivalent(fp8_target, p, res.token_ids[b], ar_long[b][:n], max_new_tokens=n)

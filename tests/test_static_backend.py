@@ -98,6 +98,14 @@ def test_decode_weights_for_small_calls(family, request):
     dw = st.decode
     assert dw is not None and StaticTarget(hf, max_len=32).decode is dw, "one copy per model"
     assert StaticTarget(hf, max_len=32, decode_weights=False).decode is None
+    with torch.no_grad():  # weights written in place: the next static target copies them again
+        w = hf.model.model.layers[0].mlp.down_proj.weight
+        w.add_(0.0)
+    fresh = StaticTarget(hf, max_len=32).decode
+    assert fresh is not dw and torch.equal(fresh.down[0], w.t())
+    st = StaticTarget(hf, max_len=64)
+    dw = st.decode
+    assert dw is fresh
     every = [*dw.qkv, *dw.o, *dw.gate_up, *dw.down, dw.head]
     ids = torch.tensor([[5, 17, 42, 9, 3, 77]])
     lens = torch.tensor([6])

@@ -21,7 +21,8 @@ the static target keeps a second, transposed copy of the weights (`DecodeWeights
 gate|up fused, the head) and uses it for calls of at most `DECODE_ROWS` rows (B·S: `ar` steps and
 small batches); wider verifies are compute-bound and run on the borrowed weights, where the BLAS is
 faster. The copy costs the weights' size again in memory, once per model (shared by every static
-target over it), and is a snapshot: it is taken when the first static target is made.
+target over it), and is a snapshot taken when a static target is made (weights written in place
+afterwards are not seen by that target; a new one copies them again).
 
 Shapes: B rows, S block slots, T prompt length, W attended slots, H/Hkv query/KV heads, D head size.
 """
@@ -71,23 +72,29 @@ class DecodeWeights:
     down: list[torch.Tensor]  # [inter, hidden]
     head: torch.Tensor  # [hidden, V]
 
+    versions: tuple = ()  # the source weights' in-place write counters when copied
+
     @staticmethod
     def of(model) -> DecodeWeights | None:
-        """Made once per model (kept while the model lives); None where a projection has a bias."""
-        if model in _DECODE_WEIGHTS:
-            return _DECODE_WEIGHTS[model]
+        """Made once per model and kept while it lives, remade if its weights were written in place
+        since. None where a projection is not a plain bias-free `nn.Linear` (a ModelOpt-quantized
+        layer computes more than its weight: it keeps its own forward)."""
         layers = model.model.layers
         mods = [m for layer in layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                                                  layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
                                                  layer.mlp.down_proj)] + [model.lm_head]
-        if any(getattr(m, "bias", None) is not None for m in mods):
+        if any(type(m) is not torch.nn.Linear or m.bias is not None for m in mods):
             return None
+        versions = tuple(m.weight._version for m in mods)
+        if model in _DECODE_WEIGHTS and _DECODE_WEIGHTS[model].versions == versions:
+            return _DECODE_WEIGHTS[model]
         with torch.no_grad():
             t = lambda *ms: torch.cat([m.weight for m in ms]).t().contiguous()
             dw = DecodeWeights(qkv=[t(a.q_proj, a.k_proj, a.v_proj) for a in (layer.self_attn for layer in layers)],
                                o=[t(layer.self_attn.o_proj) for layer in layers],
                                gate_up=[t(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in layers],
-                               down=[t(layer.mlp.down_proj) for layer in layers], head=t(model.lm_head))
+                               down=[t(layer.mlp.down_proj) for layer in layers], head=t(model.lm_head),
+                               versions=versions)
         _DECODE_WEIGHTS[model] = dw
         return dw
 
