@@ -82,7 +82,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
     if a.num_prompts > len(DEMO_PROMPTS):
         raise UserError(f"the demo has {len(DEMO_PROMPTS)} prompts; pass --num-prompts {len(DEMO_PROMPTS)} or fewer")
-    return run_demo(a.target, a.max_new_tokens, a.num_prompts, a.verify_threshold, a.hint_trust, a.alternatives)
+    return run_demo(a.target, a.max_new_tokens, a.num_prompts, a.verify_threshold, a.hint_trust, a.alternatives,
+                    a.backend)
 
 
 def cmd_bench_decode(a: argparse.Namespace) -> int:
@@ -99,7 +100,7 @@ def cmd_bench_decode(a: argparse.Namespace) -> int:
         for m in a.modes.split(","):
             drafters[m] = a.drafter
     return run_bench(a.target, drafters, [m for m in a.modes.split(",") if m], a.dataset.split(","), a.num_prompts,
-                     a.chat, options, a.json_out, a.plot_out, a.first_prompt, a.device)
+                     a.chat, options, a.json_out, a.plot_out, a.first_prompt, a.device, a.backend)
 
 
 def cmd_bench_round(a: argparse.Namespace) -> int:
@@ -307,6 +308,8 @@ def _add_bench(sub) -> None:
     b.add_argument("--block-size", type=BLOCK, default=None)
     b.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the target and drafters run (fp32)")
+    b.add_argument("--backend", default="torch", choices=["torch", "static"],
+                   help="the target's forward: torch (Hugging Face) or static (preallocated KV pools, backends/static.py)")
     json_out(b, None, "the report (and a PNG plot beside it)")
     b.add_argument("--plot-out", default=None)
     _add_verify_threshold(b)
@@ -476,6 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verify_threshold(d, None, "; default: a table for 0, then one for the CPU's 0.05")
     _add_alternatives(d, None, "; default: 0 for the whole block, 7 with the CPU's threshold")
     _add_hint_trust(d)
+    d.add_argument("--backend", default="torch", choices=["torch", "static"],
+                   help="the target's forward: torch (Hugging Face) or static (preallocated KV pools, backends/static.py)")
     d.set_defaults(func=cmd_demo)
 
     _add_bench(sub)

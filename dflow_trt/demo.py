@@ -22,7 +22,7 @@ DEMO_PROMPTS = [
 
 def run_demo(target_name: str = "smollm2-135m", max_new_tokens: int = 48, num_prompts: int = 3,
              verify_threshold: float | None = None, hint_trust: float = HINT_TRUST,
-             alternatives: int | None = None) -> int:
+             alternatives: int | None = None, backend: str = "torch") -> int:
     """One table per setting: `verify_threshold` (and `alternatives`), or by default the whole block
     and then the CPU's setting (the demo runs on the CPU: its threshold and first-draft
     alternatives), so the algorithm as designed and the setting that pays on this hardware are
@@ -34,23 +34,25 @@ def run_demo(target_name: str = "smollm2-135m", max_new_tokens: int = 48, num_pr
     else:
         settings = [DecodeOptions(verify_threshold=verify_threshold, alternatives=alternatives or 0, **common)]
     for i, options in enumerate(settings):
-        _demo_table(target_name, num_prompts, options, show_sample=i == 0)
+        _demo_table(target_name, num_prompts, options, show_sample=i == 0, backend=backend)
     return 0
 
 
-def _demo_table(target_name: str, num_prompts: int, options: DecodeOptions, show_sample: bool) -> None:
+def _demo_table(target_name: str, num_prompts: int, options: DecodeOptions, show_sample: bool,
+                backend: str = "torch") -> None:
     console = Console()
     max_new_tokens, verify_threshold, alternatives = options.max_new_tokens, options.verify_threshold, options.alternatives
     prompts_text = DEMO_PROMPTS[:num_prompts]
     verify = f", verify threshold {verify_threshold:g}" if verify_threshold else ""
     verify += f", {alternatives} first-draft alternatives" if alternatives else ""
+    verify += f", --backend {backend}" if backend != "torch" else ""
     table = Table(title=f"{target_name}: greedy, {len(prompts_text)} prompts x {max_new_tokens} new tokens{verify}")
     for col in ("mode", "drafter", "block", "tau", "tokens/s", "speedup", "matches ar"):
         table.add_column(col, justify="right")
     target, _ = load_target_and_drafter(target_name, None, "ar")
     prompts = encode_prompts(target, prompts_text, True, max_new_tokens)
     runs = run_modes(target_name, {}, list(MODES), prompts, options, target=target,
-                     warn=lambda m: console.print(f"[yellow]{m}"))
+                     warn=lambda m: console.print(f"[yellow]{m}"), backend=backend)
     ar = runs["ar"]
     if show_sample:
         console.print(f"[dim]ar sample: {target.tokenizer.decode(ar.tokens[0], skip_special_tokens=True)[:200]!r}")

@@ -12,6 +12,7 @@ from dflow_trt.decoding.options import DecodeOptions
 from dflow_trt.decoding.sampling import SamplingParams
 from dflow_trt.drafter.runtime import TorchDrafter
 from dflow_trt.errors import UserError
+from dflow_trt.kernels import available as kernels_available
 
 FAMILIES = ("tiny_qwen3", "tiny_llama")
 
@@ -294,8 +295,14 @@ def test_loader_gives_static_targets():
     from dflow_trt.loading import BACKENDS, load_modes
 
     assert "static" in BACKENDS
+    from dflow_trt.kernels import PackedLinear
+
     models = load_modes("tiny-qwen3", "static", modes=("ar", "dflow"), log=lambda m: None)
     assert all(isinstance(m.target, StaticTarget) for m in models.values())
+    # the loaded target's linears are oneDNN-packed; the decode copy is made over them, once for every mode
+    st = models["ar"].target
+    assert isinstance(st.model.model.layers[0].mlp.down_proj, PackedLinear) or not kernels_available()
+    assert st.decode is not None and models["dflow"].target.decode is st.decode
     assert isinstance(models["dflow"].drafter, TorchDrafter)
     assert models["dflow"].drafter.config.tap_layers == models["dflow"].target.info.tap_layers
     # a drafter builds against a static target as against the eager one (shared embeddings and head)
@@ -360,7 +367,7 @@ def test_smollm2_static_equals_ar_held_out(smollm2):
     n = 32
     want = [_ar(smollm2, [p], n)[0] for p in prompts]
     st = StaticTarget(smollm2, max_len=max(map(len, prompts)) + n)
-    assert st.decode is not None
+    assert st.decode is not None  # over the loaded target's oneDNN-packed linears too
     res = generate(st, None, prompts, DecodeOptions(mode="ar", max_new_tokens=n, stop_token_ids=()))
     _check(smollm2, prompts, want, res.token_ids, n)
     for mode in ("dflash", "dflow"):
@@ -448,3 +455,27 @@ def test_gpu_script_runs_on_the_cpu(tmp_path):
         assert rep["bandwidth_floor_ms"] > 0 and rep["step_weight_bytes"] > 0
         assert all(g["equals_own_ar"] and g["same_tokens_as_eager"] for g in rep["generate"])
     assert "pytest exit" not in r.stdout  # the CUDA test tier runs on a GPU only
+
+
+def test_bench_decode_and_demo_on_the_static_backend(tmp_path, capsys, monkeypatch):
+    """`bench decode --backend static` and `demo --backend static`: every mode through the static
+    target (its verify ran), equal to ar, the back end named in the report and the table."""
+    import json
+
+    from dflow_trt.cli import main
+
+    calls = []
+    verify = StaticTarget.verify
+    monkeypatch.setattr(StaticTarget, "verify", lambda self, *a, **k: (calls.append(1), verify(self, *a, **k))[1])
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "bench.json"
+    prompts.write_text('{"prompt": "abc"}\n{"prompt": "hello there"}\n')
+    assert main(["bench", "decode", "--target", "tiny-qwen3", "--dataset", str(prompts), "--num-prompts", "2",
+                 "--max-new-tokens", "8", "--block-size", "4", "--backend", "static", "--json-out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["backend"] == "static" and all(m["matches_ar"] for m in rep["modes"].values()) and calls
+    calls.clear()
+    capsys.readouterr()
+    assert main(["demo", "--target", "tiny-qwen3", "--num-prompts", "1", "--max-new-tokens", "8",
+                 "--verify-threshold", "0", "--backend", "static"]) == 0
+    text = capsys.readouterr().out
+    assert "--backend static" in text and text.count(" yes ") == 3 and " NO " not in text and calls

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..decoding.interfaces import TargetOutput
 from ..errors import UserError
 from ..targets.hf_target import HFTarget, tree_ancestors
@@ -77,13 +78,14 @@ class DecodeWeights:
     @staticmethod
     def of(model) -> DecodeWeights | None:
         """Made once per model and kept while it lives, remade if its weights were written in place
-        since. None where a projection is not a plain bias-free `nn.Linear` (a ModelOpt-quantized
-        layer computes more than its weight: it keeps its own forward)."""
+        since. None where a projection is not a plain bias-free `nn.Linear` (or its oneDNN-packed
+        form, `kernels.PackedLinear`, as loaded targets have): a ModelOpt-quantized layer computes
+        more than its weight, so it keeps its own forward."""
         layers = model.model.layers
         mods = [m for layer in layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                                                  layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
                                                  layer.mlp.down_proj)] + [model.lm_head]
-        if any(type(m) is not torch.nn.Linear or m.bias is not None for m in mods):
+        if any(type(m) not in (torch.nn.Linear, kernels.PackedLinear) or m.bias is not None for m in mods):
             return None
         versions = tuple(m.weight._version for m in mods)
         if model in _DECODE_WEIGHTS and _DECODE_WEIGHTS[model].versions == versions:

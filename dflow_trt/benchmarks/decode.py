@@ -80,13 +80,14 @@ class ModeRun:
 
 
 def run_modes(target_name: str, drafters: dict[str, str | None], modes: list[str], prompts: list[list[int]],
-              options: DecodeOptions, warn=print, target=None, desc: str = "") -> dict[str, ModeRun]:
+              options: DecodeOptions, warn=print, target=None, desc: str = "", backend: str = "torch"
+              ) -> dict[str, ModeRun]:
     """Decode every prompt in every mode, interleaved: prompt by prompt, each mode in turn (the
     order rotating per prompt), so a machine that speeds up or slows down while the bench runs
     moves every mode's tokens/s alike and the speedups stay comparable. `options` for every mode
-    (its own `mode` replaced)."""
+    (its own `mode` replaced). `backend`: torch or static (the same weights through backends/static.py)."""
     modes = list(dict.fromkeys(modes))  # a mode named twice runs once
-    loaded, runs = load_modes(target_name, "torch", drafters, tuple(modes), target=target, log=warn), {}
+    loaded, runs = load_modes(target_name, backend, drafters, tuple(modes), target=target, log=warn), {}
     for m in modes:
         drafter = loaded[m].drafter
         if m == "dflow" and not drafter.uses_flow:  # refused before any prompt is decoded
@@ -176,7 +177,7 @@ def _plot(report: dict, path: Path) -> None:
 
 def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], datasets: list[str], num_prompts: int,
               chat: bool, options: DecodeOptions, json_out: str | None, plot_out: str | None = None,
-              first_prompt: int = 0, device: str = "cpu") -> int:
+              first_prompt: int = 0, device: str = "cpu", backend: str = "torch") -> int:
     console = wide_console()
     bad = [m for m in modes if m not in MODES]
     if bad:
@@ -199,9 +200,10 @@ def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], da
     for ds in datasets:
         name = Path(ds).stem if ds.endswith(".jsonl") else ds
         per_dataset[name] = run_modes(target, drafters, modes, ids[ds], options,
-                                      warn=lambda s: console.print(f"[yellow]{s}"), target=loaded, desc=name)
+                                      warn=lambda s: console.print(f"[yellow]{s}"), target=loaded, desc=name,
+                                      backend=backend)
     merged = _merge(per_dataset)
-    report = {"target": target, "device": device, "first_prompt": first_prompt, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "chat": chat,
+    report = {"target": target, "device": device, "backend": backend, "first_prompt": first_prompt, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "chat": chat,
               "decoding": "greedy", "verify_threshold": verify_threshold, "hint_trust": hint_trust,
               "alternatives": alternatives, "modes": _summary(merged),
               "dflow_vs_dflash": _paired(merged),
@@ -211,7 +213,8 @@ def run_bench(target: str, drafters: dict[str, str | None], modes: list[str], da
         verify += f" · hint trust {hint_trust:g}" if hint_trust != HINT_TRUST else ""
         verify += f" · {alternatives} alternatives" if alternatives else ""
         which = f"prompts {first_prompt + 1}–{first_prompt + num_prompts}" if first_prompt else f"{num_prompts} prompts"
-        t = Table(title=f"{target} · {d} · greedy · {which} × {max_new_tokens} tokens{verify}")
+        t = Table(title=f"{target} · {d} · greedy · {which} × {max_new_tokens} tokens{verify}"
+                        + (f" · --backend {backend}" if backend != "torch" else ""))
         for c in ("mode", "drafter", "block", "verified", "τ ± se", "accept pos 1..4", "tokens/s", "speedup", "matches ar"):
             t.add_column(c, justify="right")
         for m, s in r["modes"].items():
