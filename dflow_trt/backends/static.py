@@ -16,7 +16,8 @@ every layer's attention), and each RMSNorm is one op (`F.rms_norm`, the same ari
 
 A decode step on a CPU streams every weight once for one row, and the BLAS behind `F.linear` reads a
 [out, in] matrix for one row at about half the memory bandwidth that `x @ W_t` reaches on the same
-weights stored [in, out] (measured 14 vs 27 GB/s for the 113 MB head on 2 AVX2 cores). So on a CPU
+weights stored [in, out] (measured 14 vs 27 GB/s for the 113 MB head on 2 AVX2 cores; the eager
+target's oneDNN-packed linears, `kernels.py`, reached 18 GB/s over the layers). So on a CPU
 the static target keeps a second, transposed copy of the weights (`DecodeWeights`: q|k|v and
 gate|up fused, the head) and uses it for calls of at most `DECODE_ROWS` rows (B·S: `ar` steps and
 small batches); wider verifies are compute-bound and run on the borrowed weights, where the BLAS is
