@@ -38,6 +38,11 @@ def _add_alternatives(p: argparse.ArgumentParser, default: int | None = 0, extra
                         f"the drafter gives at least that probability)" + extra)
 
 
+def _add_target_backend(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default="torch", choices=["torch", "static"],
+                   help="the target's forward: torch (Hugging Face) or static (preallocated KV pools, backends/static.py)")
+
+
 def _add_hint_trust(p: argparse.ArgumentParser, server: bool = False) -> None:
     """`server`: the client sends the value only when given, so older model repositories still serve it."""
     from .decoding.flow import HINT_TRUST
@@ -308,8 +313,7 @@ def _add_bench(sub) -> None:
     b.add_argument("--block-size", type=BLOCK, default=None)
     b.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the target and drafters run (fp32)")
-    b.add_argument("--backend", default="torch", choices=["torch", "static"],
-                   help="the target's forward: torch (Hugging Face) or static (preallocated KV pools, backends/static.py)")
+    _add_target_backend(b)
     json_out(b, None, "the report (and a PNG plot beside it)")
     b.add_argument("--plot-out", default=None)
     _add_verify_threshold(b)
@@ -479,8 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verify_threshold(d, None, "; default: a table for 0, then one for the CPU's 0.05")
     _add_alternatives(d, None, "; default: 0 for the whole block, 7 with the CPU's threshold")
     _add_hint_trust(d)
-    d.add_argument("--backend", default="torch", choices=["torch", "static"],
-                   help="the target's forward: torch (Hugging Face) or static (preallocated KV pools, backends/static.py)")
+    _add_target_backend(d)
     d.set_defaults(func=cmd_demo)
 
     _add_bench(sub)

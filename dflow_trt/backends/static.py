@@ -74,7 +74,7 @@ class DecodeWeights:
     down: list[torch.Tensor]  # [inter, hidden]
     head: torch.Tensor  # [hidden, V]
 
-    versions: tuple = ()  # the source weights' in-place write counters when copied
+    key: tuple = ()  # kernels.cache_key of the source weights when copied
 
     @staticmethod
     def of(model) -> DecodeWeights | None:
@@ -88,8 +88,8 @@ class DecodeWeights:
                                                  layer.mlp.down_proj)] + [model.lm_head]
         if any(type(m) not in (torch.nn.Linear, kernels.PackedLinear) or m.bias is not None for m in mods):
             return None
-        versions = tuple(m.weight._version for m in mods)
-        if model in _DECODE_WEIGHTS and _DECODE_WEIGHTS[model].versions == versions:
+        weights = [m.weight for m in mods]
+        if model in _DECODE_WEIGHTS and kernels.still_valid(_DECODE_WEIGHTS[model].key, *weights):
             return _DECODE_WEIGHTS[model]
         with torch.no_grad():
             t = lambda *ms: torch.cat([m.weight for m in ms]).t().contiguous()
@@ -97,7 +97,7 @@ class DecodeWeights:
                                o=[t(layer.self_attn.o_proj) for layer in layers],
                                gate_up=[t(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in layers],
                                down=[t(layer.mlp.down_proj) for layer in layers], head=t(model.lm_head),
-                               versions=versions)
+                               key=kernels.cache_key(*weights))
         _DECODE_WEIGHTS[model] = dw
         return dw
 
@@ -197,7 +197,7 @@ class StaticTarget:
         i's new K/V [B, Hkv, S, D]; `attend(i, k, v)` returns the keys/values [B, Hkv, W, D] attended.
         Returns (final hidden [B, S, hidden], taps [B, S, F])."""
         B, S, _ = x.shape
-        dw = self.decode if B * S <= DECODE_ROWS else None  # a shape-static choice: no sync, no recompiles
+        dw = self._decode_for(B * S)
         kv = self.num_kv_heads * self.head_dim
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, S, D]
         if mask.dtype == torch.bool:  # additive once, not converted by every layer's attention
@@ -235,11 +235,13 @@ class StaticTarget:
              else x.new_zeros(B, S, 0))
         return x, t
 
+    def _decode_for(self, rows: int) -> DecodeWeights | None:
+        """The decode copy where a call of `rows` rows uses it: a shape-static choice (no sync, no recompiles)."""
+        return self.decode if rows <= DECODE_ROWS else None
+
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(x)
-        if self.decode is not None and x.shape[0] * x.shape[1] <= DECODE_ROWS:
-            return (h @ self.decode.head).float()  # [B, S, V]
-        return self.head(h).float()
+        h, dw = self.norm(x), self._decode_for(x.shape[0] * x.shape[1])
+        return (h @ dw.head if dw is not None else self.head(h)).float()  # [B, S, V]
 
     def _verify_core(self, ks: list, vs: list, ids: torch.Tensor, fill: torch.Tensor, anc: torch.Tensor,
                      depth: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
