@@ -94,7 +94,15 @@ def test_zlab_vocab(capsys, tmp_path, tiny_qwen3):
           "--json-out", out)
     rep = read(out)
     assert rep["draft_vocab_size"] == 64 and rep["prompts"] == 2
-    assert rep["positions"] == 2 * 2 * 3 and 0 <= rep["same_proposal"] <= 1  # sequences x anchors x drafts
+    assert rep["positions"] == 2 * 2 * 3 and 0 <= rep["same_proposal"] < 1  # sequences x anchors x drafts
+    # a draft vocabulary of every token in another order drafts what the full head drafts: the bench must
+    # compare token ids (draft indices against token ids, or the reduced head twice, would not give 1)
+    V = tiny_qwen3.info.vocab_size
+    m = build_drafter(tiny_qwen3, type(c)(**{**c.__dict__, "draft_vocab_size": V}), seed=0)
+    m.draft_vocab.copy_(torch.arange(V).flip(0))
+    bench(capsys, "zlab-vocab", *T, "--drafter", save_drafter(m, tmp_path / "permuted"), "--prompts", "2",
+          "--tokens", "6", "--anchors", "2", "--json-out", out)
+    assert read(out)["same_proposal"] == 1.0
     bench(capsys, "zlab-vocab", *T, "--prompts", "1", "--json-out", out)  # the full vocabulary: nothing to compare
     assert read(out)["draft_vocab_size"] is None
 

@@ -42,8 +42,8 @@ def run(target: str = "smollm2-135m", drafter: str | None = None, prompts: int =
         taps, _ = target_states(t, batch, keep_cache=False)
         where = sample_anchors(batch, anchors, m.config.block_size, torch.Generator().manual_seed(0))
         reduced = m.draft_vocab[drafter_blocks(m, taps, batch, where, None).argmax(-1)]
-        m.draft_logits = lambda h: h @ m.lm_head_weight.T  # what z-lab's layout computes
-        full = drafter_blocks(m, taps, batch, where, None).argmax(-1)
+        m.draft_head = lambda: m.lm_head_weight  # what z-lab's layout computes: the full LM head [V, H]
+        full = drafter_blocks(m, taps, batch, where, None).argmax(-1)  # target token ids
     same = (reduced == full).float()
     out.update(prompts=len(ps), tokens=tokens, anchors_per_seq=anchors, positions=same.numel(),
                same_proposal=same.mean().item(), same_first_position=same[..., 0].mean().item())
