@@ -13,8 +13,8 @@ step, `--max-minutes` as the stop), so every arm ends its schedule: equal CPU ti
 `eval` gives each arm's teacher-forced greedy τ (the trainer's own `evaluate`, one seed, the same
 anchors for every arm) on three held-out sets: the target's greedy continuations of the first 48
 HumanEval and 48 MT-Bench prompts, and the data's own held-out sequences; per-prompt pairs against
-`l1`. `vocab` needs no training: the shipped drafters' logits are cut to the K of their 8,192 draft
-tokens the target says most often, which shows what a smaller vocabulary would lose.
+`l1`. `vocab` needs no training: the shipped drafters' draft vocabulary is cut to the K of their 8,192
+draft tokens the target says most often (same weights), which shows what a smaller vocabulary would lose.
 History and results: docs/history/2026-12-07-capacity.md.
 """
 
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
+import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -92,9 +92,9 @@ def cmd_train(a) -> None:
 
 
 def _mean_se(xs: list[float]) -> tuple[float, float]:
-    m = sum(xs) / len(xs)
-    v = sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1)
-    return m, math.sqrt(v / len(xs))
+    from dflow_trt.benchmarks.report import standard_error
+
+    return statistics.fmean(xs), standard_error(xs)
 
 
 def heldout_sets(target, n: int, tokens: int) -> dict[str, list]:
@@ -102,13 +102,13 @@ def heldout_sets(target, n: int, tokens: int) -> dict[str, list]:
     from dflow_trt.decoding.loop import generate
     from dflow_trt.decoding.options import DecodeOptions
     from dflow_trt.evalsets import humaneval_prompts, mtbench_prompts
+    from dflow_trt.prompting import encode_prompt
     from dflow_trt.training.data import Sequence, load_dataset
     from dflow_trt.training.trainer import _fits
 
     sets = {}
     for name, texts in (("humaneval", humaneval_prompts()[:n]), ("mtbench", mtbench_prompts()[:n])):
-        ps = [target.tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                                   tokenize=True, return_dict=True)["input_ids"][:256] for t in texts]
+        ps = [encode_prompt(target.tokenizer, t, chat=True)[:256] for t in texts]  # as `bench decode` encodes them
         rs = generate(target, None, ps, DecodeOptions(mode="ar", max_new_tokens=tokens)).token_ids
         sets[name] = [Sequence(-1 - i, p, r) for i, (p, r) in enumerate(zip(ps, rs))]
     sets["data"] = load_dataset(Path(DATA), target)[1]
@@ -169,7 +169,7 @@ def cmd_eval(a) -> None:
 
 
 def cmd_vocab(a) -> None:
-    """The shipped drafters with logits cut to their K most frequent draft tokens (K < 8,192)."""
+    """The shipped drafters with their draft vocabulary cut to its K most frequent tokens (K < 8,192)."""
     from dflow_trt.drafter.io import load_drafter, read_config
     from dflow_trt.targets import load_target
     from dflow_trt.training.data import load_dataset
@@ -229,12 +229,9 @@ def cmd_plot(a) -> None:
 
 
 def _write(report: dict, path: str | None) -> None:
-    text = json.dumps(report, indent=1)
-    if path:
-        Path(path).write_text(text + "\n")
-        print(f"wrote {path}")
-    else:
-        print(text)
+    from dflow_trt.benchmarks.report import write_json
+
+    print(f"wrote {write_json(path, report)}" if path else json.dumps(report, indent=1))
 
 
 def main() -> None:

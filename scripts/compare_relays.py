@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -50,9 +50,9 @@ def cmd_train(a) -> None:
 
 
 def _mean_se(xs: list[float]) -> tuple[float, float]:
-    m = sum(xs) / len(xs)
-    v = sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1)
-    return m, math.sqrt(v / len(xs))
+    from dflow_trt.benchmarks.report import standard_error
+
+    return statistics.fmean(xs), standard_error(xs)
 
 
 def cmd_eval(a) -> None:
