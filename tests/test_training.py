@@ -65,10 +65,13 @@ def test_dataset_manifest_and_heldout(data_dir, tiny_qwen3):
     assert m["shards"] == ["shard-0000.jsonl", "shard-0001.jsonl", "shard-0002.jsonl"]
     seqs = [json.loads(x) for s in m["shards"] for x in (data_dir / s).read_text().splitlines()]
     assert sorted(s["id"] for s in seqs) == list(range(48))
-    # the responses are the target's own greedy continuations
-    s = seqs[3]
-    ref = generate(tiny_qwen3, None, [s["prompt_ids"]], DecodeOptions(mode="ar", max_new_tokens=24)).token_ids[0]
-    assert ref == s["response_ids"]
+    # the responses are the target's own greedy continuations: the data set was made on the static back
+    # end in length-sorted batches of 8; each prompt decoded alone on the eager target gives the same tokens
+    first = seqs[:16]
+    assert len({len(s["prompt_ids"]) for s in first}) > 8  # prompts of many lengths, so the batches were reordered
+    for s in first:
+        ref = generate(tiny_qwen3, None, [s["prompt_ids"]], DecodeOptions(mode="ar", max_new_tokens=24)).token_ids[0]
+        assert ref == s["response_ids"], s["id"]
     # a second call with the same settings resumes (nothing to do) and leaves the shards untouched
     before = {p.name: p.stat().st_mtime_ns for p in data_dir.glob("shard-*.jsonl")}
     generate_dataset(tiny_qwen3, data_dir, num_prompts=48, max_new_tokens=24, batch_size=8, shard_size=16,
@@ -502,3 +505,30 @@ def test_flow_branch_gets_its_own_learning_rate(trained, data_dir, tiny_qwen3, t
     assert gate["10"] > 3 * gate["1"] > 0, gate
     _error(_cli("train", *TRAIN, "--data-dir", str(data_dir), "--objective", "dflash", "--flow-lr-mult", "10",
                 "--out-dir", str(tmp_path / "bad"), "--steps", "5"), "--flow-lr-mult", "--objective dflow")
+
+
+def test_greedy_responses_keep_prompt_order_on_both_back_ends(tiny_qwen3, monkeypatch):
+    """Rows are prefilled shortest first, join a running batch and leave it when finished (continuous
+    batching), yet each prompt gets its own greedy answer, in the prompts' order, on either back end."""
+    import dataclasses
+
+    from dflow_trt.decoding.loop import DecodeBatch
+    from dflow_trt.training import data
+
+    prompts = [chat_ids(tiny_qwen3, x) for x in ("Hi", "Write a long story about a cat and a dog who meet.",
+                                                  "2+2?", "Name three colours and say why you like them.", "Why?")]
+    stop = generate(tiny_qwen3, None, [prompts[0]], DecodeOptions(mode="ar", max_new_tokens=12)).token_ids[0][5]
+    options = DecodeOptions(mode="ar", max_new_tokens=12, stop_token_ids=(stop,))  # so rows end apart
+    alone = [generate(tiny_qwen3, None, [p], options).token_ids[0] for p in prompts]
+    assert len({len(r) for r in alone}) > 1 and len({tuple(r) for r in alone}) == 5
+    calls = {"join": 0, "keep": 0}
+    for name in calls:
+        real = getattr(DecodeBatch, name)
+        monkeypatch.setattr(DecodeBatch, name, lambda self, x, _r=real, _n=name: calls.__setitem__(_n, calls[_n] + 1)
+                            or _r(self, x))
+    monkeypatch.setattr(data, "PREFILL_ROWS", 2)
+    monkeypatch.setattr(tiny_qwen3, "info", dataclasses.replace(tiny_qwen3.info, eos_token_ids=(stop,)))
+    for backend in ("static", "torch"):
+        calls.update(join=0, keep=0)
+        assert data.greedy_responses(tiny_qwen3, prompts, 12, batch_size=3, backend=backend) == alone, backend
+        assert calls["join"] >= 2 and calls["keep"] >= 1, (backend, calls)  # rows joined and left mid-decode

@@ -25,10 +25,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from ..atomic import write_text
-from ..decoding.loop import generate
+from ..backends.static import static_target
+from ..decoding.loop import DecodeBatch
 from ..decoding.options import DecodeOptions
 from ..errors import UserError
 from ..targets.hf_target import HFTarget, tokenizer_fingerprint
@@ -88,9 +90,11 @@ def _prompts(num_prompts: int, first_prompt: int, seed: int, prompts_file: Path 
 
 def generate_dataset(target: HFTarget, out_dir: Path, num_prompts: int, max_new_tokens: int = 128,
                      batch_size: int = 16, shard_size: int = 64, heldout_every: int = 20, seed: int = 0,
-                     first_prompt: int = 0, prompts_file: Path | None = None, max_minutes: float = 0) -> Path:
+                     first_prompt: int = 0, prompts_file: Path | None = None, max_minutes: float = 0,
+                     backend: str = "static") -> Path:
     """Make (or resume) the data set; with `max_minutes`, stop after the shard that passes that time
-    (the complete shards are the data set so far; a rerun goes on from there)."""
+    (the complete shards are the data set so far; a rerun goes on from there). `backend`: the target's
+    forward, "static" (backends/static.py, Llama/Qwen3 targets) or "torch" (any)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = out_dir / "manifest.json"
@@ -130,18 +134,59 @@ def generate_dataset(target: HFTarget, out_dir: Path, num_prompts: int, max_new_
         if max_minutes and time.perf_counter() - t0 > 60 * max_minutes:
             bar.write(f"stopped after {n} of {len(todo)} shards to make: --max-minutes {max_minutes:g} passed")
             break
-        chunk = chunks[i]
-        lines = []
-        for j in range(0, len(chunk), batch_size):
-            batch = chunk[j:j + batch_size]
-            ids = [_chat(target.tokenizer, p) for p in batch]
-            res = generate(target, None, ids, DecodeOptions(mode="ar", max_new_tokens=max_new_tokens))
-            for p, pid, rid in zip(batch, ids, res.token_ids):
-                lines.append(json.dumps({"id": p["id"], "source": p["source"], "prompt_ids": pid, "response_ids": rid}))
-            bar.update(len(batch))
-        write_text(out_dir / shards[i], "\n".join(lines) + "\n")
+        ids = [_chat(target.tokenizer, p) for p in chunks[i]]
+        responses = greedy_responses(target, ids, max_new_tokens, batch_size, backend, bar.update)
+        write_text(out_dir / shards[i], "".join(
+            json.dumps({"id": p["id"], "source": p["source"], "prompt_ids": pid, "response_ids": rid}) + "\n"
+            for p, pid, rid in zip(chunks[i], ids, responses)))
     bar.close()
     return out_dir
+
+
+PREFILL_ROWS = 16  # prompts prefilled together, next in length (SmolLM2-135M, 2-core CPU: 16 padded little)
+RETIRE_FRACTION = 0.25  # finished rows leave the batch once this share has finished (each leave copies the KV)
+
+
+def greedy_responses(target: HFTarget, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
+                     backend: str = "static", progress=lambda n: None) -> list[list[int]]:
+    """The target's greedy response to each prompt, in the prompts' order.
+
+    Continuous batching (`DecodeBatch.join`/`keep`): the prompts are taken shortest first,
+    `PREFILL_ROWS` at a time, so each prefill pads to a length near its rows' own (prefill is most of
+    a CPU's time at arrival order: one shard's 44-330-token prompts pad to ~2x their tokens); they
+    decode together up to `batch_size` rows (a wider step costs less per row), and finished rows
+    leave for new ones. Measured on one 64-prompt shard, 2 cores: 150 s eager in batches of 16, 64 s
+    static in sorted batches of 32; see docs/history. Each row's tokens are its own greedy decoding."""
+    if backend not in ("static", "torch"):
+        raise ValueError(f"backend must be 'static' or 'torch', got {backend!r}")
+    t = target if backend == "torch" else static_target(target, max_len=max(map(len, prompts)) + max_new_tokens)
+    options = DecodeOptions(mode="ar", max_new_tokens=max_new_tokens)
+    queue = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[list[int]] = [[] for _ in prompts]
+    batch, rows = None, []  # rows[k]: the prompt index of the batch's row k
+    with torch.inference_mode():
+        while queue or rows:
+            while queue and len(rows) < batch_size:  # top up with the next shortest prompts
+                take = queue[:min(PREFILL_ROWS, batch_size - len(rows))]
+                del queue[:len(take)]
+                new = DecodeBatch(t, None, [prompts[i] for i in take], options)
+                if batch is None:
+                    batch = new
+                else:
+                    batch.join(new)
+                rows += take
+            done = [k for k, r in enumerate(batch.log.rows) if r.done]
+            if done and len(done) >= max(1, RETIRE_FRACTION * len(rows)):
+                for k in done:
+                    out[rows[k]] = batch.log.rows[k].tokens
+                live = [k for k in range(len(rows)) if not batch.log.rows[k].done]
+                if live:
+                    batch.keep(live)
+                batch, rows = (batch, [rows[k] for k in live]) if live else (None, [])
+                progress(len(done))
+                continue
+            batch.round()
+    return out
 
 
 def _shard_done(path: Path, chunk: list[dict], tokenizer) -> bool:
