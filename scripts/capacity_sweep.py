@@ -52,6 +52,7 @@ def train_config(arm: str, steps: int, max_minutes: float = 0.0, out: str | None
 def cmd_data(a) -> None:
     """One data folder of every committed campaign shard (renamed per source), then its tap states."""
     from dflow_trt.cli import main as cli
+    from dflow_trt.training.data import shard_path
 
     out = Path(DATA)
     out.mkdir(parents=True, exist_ok=True)
@@ -60,10 +61,11 @@ def cmd_data(a) -> None:
         m = json.loads((src / "manifest.json").read_text())
         manifest = manifest or m
         for s in m["shards"]:
-            if (src / s).exists():
+            f = shard_path(src, s)
+            if f.exists():
                 name = f"p{m['first_prompt']}-{s}"
-                if not (out / name).exists():
-                    shutil.copyfile(src / s, out / name)
+                if not shard_path(out, name).exists():
+                    shutil.copyfile(f, out / f"p{m['first_prompt']}-{f.name}")
                 shards.append(name)
     (out / "manifest.json").write_text(json.dumps({**manifest, "shards": shards, "sources_dirs": SOURCES}, indent=1))
     print(f"{len(shards)} shards in {out}")

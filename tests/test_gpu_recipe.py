@@ -59,7 +59,7 @@ def test_recipe_end_to_end_on_a_tiny_target(tmp_path):
     # the data: every shard of the packed prompts, made from that very file
     m = json.loads((run / "data" / "manifest.json").read_text())
     assert m["shards"] == ["shard-0000.jsonl", "shard-0001.jsonl", "shard-0002.jsonl"]
-    assert all((run / "data" / s).is_file() for s in m["shards"])
+    assert all((run / "data" / f"{s}.gz").is_file() for s in m["shards"])
     packed = json.loads((tmp_path / "in" / "inputs.json").read_text())["files"]["prompts.jsonl.gz"]
     assert m["prompts_file_sha256"] == packed[:16] and m["num_prompts"] == 24
 

@@ -172,13 +172,13 @@ def test_a_package_that_differs_from_the_pin_is_a_one_line_error(monkeypatch):
 
 def test_make_data_lays_out_the_conversation(tiny_qwen3, tmp_path):
     """A multi-turn prompt's ids are its whole conversation, through the chat template, in the shard."""
-    from dflow_trt.training.data import generate_dataset
+    from dflow_trt.training.data import generate_dataset, read_shard, shard_path
 
     full = build_prompts(POOLS_1_TO_3 + 300)  # in this process (see _BUILD)
     i = next(p["id"] for p in full[POOLS_1_TO_3:] if "messages" in p)
     d = generate_dataset(tiny_qwen3, tmp_path / "d", num_prompts=2, max_new_tokens=4, batch_size=2, shard_size=2,
                          first_prompt=i)
-    row = json.loads((d / "shard-0000.jsonl").read_text().splitlines()[0])
+    row = read_shard(shard_path(d, "shard-0000.jsonl"))[0]
     want = tiny_qwen3.tokenizer.apply_chat_template(full[i]["messages"], add_generation_prompt=True, tokenize=True,
                                                     return_dict=True)["input_ids"]
     assert row["id"] == i and row["prompt_ids"] == want
@@ -192,13 +192,13 @@ def test_the_committed_data_sets_still_match_the_pool(smollm2, full):
     through the chat template (pools 1-3 as make-data builds them, pool 4 with its conversations)."""
     from pathlib import Path
 
-    from dflow_trt.training.data import _chat
+    from dflow_trt.training.data import _chat, read_shard, shard_path
 
     root = Path(__file__).resolve().parent.parent / "data"
     checked = 0
     for name in ("smollm2-135m-p5376", "smollm2-135m-p7658"):
-        for shard in sorted((root / name).glob("shard-*.jsonl"))[:3]:
-            for row in map(json.loads, shard.read_text().splitlines()[::7]):
+        for shard in json.loads((root / name / "manifest.json").read_text())["shards"][:3]:
+            for row in read_shard(shard_path(root / name, shard))[::7]:
                 assert row["prompt_ids"] == _chat(smollm2.tokenizer, full[row["id"]]), (name, row["id"])
                 checked += 1
     assert checked >= 20

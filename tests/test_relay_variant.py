@@ -204,7 +204,7 @@ def test_paper_relay_decode_is_lossless_and_takes_the_relay(tiny_qwen3, monkeypa
 
 def _paper_objective(target, m, nb, rounds_=0):
     cfg = TrainConfig(target="tiny-qwen3", objective="dflow", relay="paper", flow_rounds=rounds_, block_size=S,
-                      anchors_per_seq=nb, gamma=3.0, draft_vocab_size=128)
+                      anchors_per_seq=nb, gamma=3.0, draft_vocab_size=128, precision="fp32")  # as the loop
     return Objective(m, target, cfg)
 
 

@@ -19,7 +19,7 @@ from dflow_trt.decoding.options import DecodeOptions
 from dflow_trt.drafter.io import load_drafter
 from dflow_trt.drafter.runtime import TorchDrafter
 from dflow_trt.targets import load_target
-from dflow_trt.training.data import generate_dataset
+from dflow_trt.training.data import generate_dataset, read_shard
 
 # Small enough for seconds per run; max_len keeps every sequence (prompts reach ~320 tokens).
 TRAIN = ["--target", "tiny-qwen3", "--seqs-per-step", "2", "--anchors-per-seq", "4", "--block-size", "4",
@@ -63,7 +63,8 @@ def test_dataset_manifest_and_heldout(data_dir, tiny_qwen3):
     m = json.loads((data_dir / "manifest.json").read_text())
     assert m["target_fingerprint"] == tiny_qwen3.info.fingerprint and m["tokenizer_fingerprint"]
     assert m["shards"] == ["shard-0000.jsonl", "shard-0001.jsonl", "shard-0002.jsonl"]
-    seqs = [json.loads(x) for s in m["shards"] for x in (data_dir / s).read_text().splitlines()]
+    seqs = [r for s in m["shards"] for r in read_shard(data_dir / f"{s}.gz")]  # stored compressed
+    assert not any((data_dir / s).exists() for s in m["shards"])
     assert sorted(s["id"] for s in seqs) == list(range(48))
     # the responses are the target's own greedy continuations: the data set was made on the static back
     # end in length-sorted batches of 8; each prompt decoded alone on the eager target gives the same tokens
@@ -73,10 +74,10 @@ def test_dataset_manifest_and_heldout(data_dir, tiny_qwen3):
         ref = generate(tiny_qwen3, None, [s["prompt_ids"]], DecodeOptions(mode="ar", max_new_tokens=24)).token_ids[0]
         assert ref == s["response_ids"], s["id"]
     # a second call with the same settings resumes (nothing to do) and leaves the shards untouched
-    before = {p.name: p.stat().st_mtime_ns for p in data_dir.glob("shard-*.jsonl")}
+    before = {p.name: p.stat().st_mtime_ns for p in data_dir.glob("shard-*.jsonl.gz")}
     generate_dataset(tiny_qwen3, data_dir, num_prompts=48, max_new_tokens=24, batch_size=8, shard_size=16,
                      heldout_every=8)
-    assert before == {p.name: p.stat().st_mtime_ns for p in data_dir.glob("shard-*.jsonl")}
+    assert len(before) == 3 and before == {p.name: p.stat().st_mtime_ns for p in data_dir.glob("shard-*.jsonl.gz")}
 
 
 def test_dataset_of_fresh_prompts_starts_further_down(tiny_qwen3, data_dir, tmp_path):
@@ -295,9 +296,9 @@ def test_data_set_grows_and_a_run_resumes_on_it(tiny_qwen3, tmp_path):
             "--ckpt-every", "2"]
     assert _cli("train", *args, "--steps", "4").returncode == 0
     vocab = torch.load(out / "checkpoint.pt", weights_only=True)["drafter"]["draft_vocab"]
-    shard = lambda i: [json.loads(x) for x in (data / f"shard-{i:04d}.jsonl").read_text().splitlines()]  # noqa: E731
+    shard = lambda i: read_shard(data / f"shard-{i:04d}.jsonl.gz")  # noqa: E731
     short = shard(1)
-    mtimes = {p.name: p.stat().st_mtime_ns for p in [data / "shard-0000.jsonl", data / "states/shard-0000.safetensors"]}
+    mtimes = {p.name: p.stat().st_mtime_ns for p in [data / "shard-0000.jsonl.gz", data / "states/shard-0000.safetensors"]}
 
     generate_dataset(tiny_qwen3, data, num_prompts=40, **kw)
     assert not StateCache(data, tiny_qwen3, need_kv=False).covers([16])  # shard 1's states predate its regeneration
@@ -307,7 +308,7 @@ def test_data_set_grows_and_a_run_resumes_on_it(tiny_qwen3, tmp_path):
     s = shard(2)[5]
     assert generate(tiny_qwen3, None, [s["prompt_ids"]], DecodeOptions(mode="ar", max_new_tokens=24)).token_ids[0] == s["response_ids"]
     build_states(tiny_qwen3, data, max_len=400)  # rebuilds the regenerated shard's states, keeps shard 0's
-    assert mtimes == {p.name: p.stat().st_mtime_ns for p in [data / "shard-0000.jsonl",
+    assert mtimes == {p.name: p.stat().st_mtime_ns for p in [data / "shard-0000.jsonl.gz",
                                                              data / "states/shard-0000.safetensors"]}
     assert StateCache(data, tiny_qwen3, need_kv=False).covers(list(range(40)))
 
@@ -327,6 +328,7 @@ def test_data_set_grows_and_a_run_resumes_on_it(tiny_qwen3, tmp_path):
     # a shard made from other prompts (another prompt-set version) is refused, not mixed in
     rows = shard(0)
     rows[0]["prompt_ids"] = rows[0]["prompt_ids"][:-1]
+    (data / "shard-0000.jsonl.gz").unlink()  # a plain shard (as made before compression) is read the same
     (data / "shard-0000.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
     with pytest.raises(UserError, match="other prompts"):
         generate_dataset(tiny_qwen3, data, num_prompts=48, **kw)

@@ -89,7 +89,7 @@ def _drafter(target, flow: bool, seqs, seed: int = 3):
 
 def _objective(target, drafter, kind: str, nb: int) -> Objective:
     cfg = TrainConfig(target="tiny-qwen3", objective=kind, block_size=S, anchors_per_seq=nb, gamma=GAMMA,
-                      draft_vocab_size=VD, lr=LR)
+                      draft_vocab_size=VD, lr=LR, precision="fp32")  # the loop runs fp32
     return Objective(drafter, target, cfg)
 
 

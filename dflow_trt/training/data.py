@@ -5,7 +5,10 @@ Format of `<data_dir>/`:
   shard list, and the held-out rule (`id % heldout_every == 0`, spread over the shuffled prompts
   so that any complete prefix of shards has its share).
 - `shard-XXXX.jsonl`: one JSON object per sequence: {"id", "source", "prompt_ids", "response_ids"}
-  (token ids of the chat-templated prompt and of the target's greedy response).
+  (token ids of the chat-templated prompt and of the target's greedy response), stored gzip-compressed
+  as `shard-XXXX.jsonl.gz` (a sixth of the bytes, for data sets kept in git; `shard_path`): the
+  manifest names the shard, and a plain file of that name (data sets made before 2026-12-07) reads
+  the same.
 Generation is resumable: shards already written (complete, renamed into place) are skipped. A data
 set can grow: rerun with a larger `--num-prompts` (the prompt order is prefix-stable); complete
 shards are kept, a short last shard is regenerated whole. `first_prompt` > 0 starts the data set
@@ -28,7 +31,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..atomic import write_text
+from ..atomic import write_bytes, write_text
 from ..backends.static import static_target
 from ..decoding.loop import DecodeBatch
 from ..decoding.options import DecodeOptions
@@ -124,7 +127,7 @@ def generate_dataset(target: HFTarget, out_dir: Path, num_prompts: int, max_new_
     n_shards = (len(prompts) + shard_size - 1) // shard_size
     shards = [f"shard-{i:04d}.jsonl" for i in range(n_shards)]
     chunks = [prompts[i * shard_size:(i + 1) * shard_size] for i in range(n_shards)]
-    todo = [i for i in range(n_shards) if not _shard_done(out_dir / shards[i], chunks[i], target.tokenizer)]
+    todo = [i for i in range(n_shards) if not _shard_done(shard_path(out_dir, shards[i]), chunks[i], target.tokenizer)]
     manifest = {**settings, "shards": shards,
                 "sources": sorted({p["source"] for p in prompts})}
     write_text(manifest_path, json.dumps(manifest, indent=1))
@@ -136,9 +139,8 @@ def generate_dataset(target: HFTarget, out_dir: Path, num_prompts: int, max_new_
             break
         ids = [_chat(target.tokenizer, p) for p in chunks[i]]
         responses = greedy_responses(target, ids, max_new_tokens, batch_size, backend, bar.update)
-        write_text(out_dir / shards[i], "".join(
-            json.dumps({"id": p["id"], "source": p["source"], "prompt_ids": pid, "response_ids": rid}) + "\n"
-            for p, pid, rid in zip(chunks[i], ids, responses)))
+        _write_shard(out_dir, shards[i], [{"id": p["id"], "source": p["source"], "prompt_ids": pid, "response_ids": rid}
+                                          for p, pid, rid in zip(chunks[i], ids, responses)])
     bar.close()
     return out_dir
 
@@ -189,11 +191,42 @@ def greedy_responses(target: HFTarget, prompts: list[list[int]], max_new_tokens:
     return out
 
 
+def shard_path(data_dir: Path, name: str) -> Path:
+    """The file of the shard the manifest calls `name`: `name.gz`, or `name` in a data set made before
+    shards were compressed."""
+    gz = Path(data_dir) / f"{name}.gz"
+    return gz if gz.exists() else Path(data_dir) / name
+
+
+def read_shard(path: Path) -> list[dict]:
+    """A shard file's rows, compressed (.gz) or not."""
+    raw = Path(path).read_bytes()
+    text = (gzip.decompress(raw) if str(path).endswith(".gz") else raw).decode()
+    return [json.loads(x) for x in text.splitlines() if x.strip()]
+
+
+def _write_shard(data_dir: Path, name: str, rows: list[dict]) -> None:
+    """Write shard `name` compressed (mtime 0: the same rows give the same bytes, and the same state-cache
+    digest), then drop a plain file of the same shard."""
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    write_bytes(Path(data_dir) / f"{name}.gz", gzip.compress(text.encode(), compresslevel=9, mtime=0))
+    (Path(data_dir) / name).unlink(missing_ok=True)
+
+
+def compress_shards(data_dir: Path) -> int:
+    """Rewrite a data set's plain shards compressed, rows unchanged; returns how many."""
+    m = json.loads((Path(data_dir) / "manifest.json").read_text())
+    plain = [s for s in m["shards"] if shard_path(data_dir, s).name == s and (Path(data_dir) / s).exists()]
+    for s in plain:
+        _write_shard(data_dir, s, read_shard(Path(data_dir) / s))
+    return len(plain)
+
+
 def _shard_done(path: Path, chunk: list[dict], tokenizer) -> bool:
     """Whether `path` holds exactly `chunk`'s responses; a shard of other prompts is refused."""
     try:
-        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    except (OSError, json.JSONDecodeError):
+        rows = read_shard(path)
+    except (OSError, EOFError, ValueError):  # ValueError: bad JSON, UTF-8 or gzip data
         return False  # missing or unreadable: generate it (again)
     ids = [r.get("id") for r in rows]
     if not rows:
@@ -225,11 +258,10 @@ def load_dataset(data_dir: Path, target: HFTarget) -> tuple[list[Sequence], list
     every = m["heldout_every"]
     train, heldout = [], []
     for s in m["shards"]:
-        p = data_dir / s
+        p = shard_path(data_dir, s)
         if not p.exists():
             continue  # generation still running or interrupted; use what is complete
-        for line in p.read_text().splitlines():
-            d = json.loads(line)
+        for d in read_shard(p):
             seq = Sequence(d["id"], d["prompt_ids"], d["response_ids"], s)
             (heldout if seq.id % every == 0 else train).append(seq)
     if not train:

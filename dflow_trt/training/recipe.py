@@ -231,8 +231,10 @@ def _data(data_dir: Path) -> dict | None:
     m = _read(data_dir / "manifest.json")
     if m is None:
         return None
-    made = [s for s in m["shards"] if (data_dir / s).is_file()]
-    rows = [json.loads(x) for s in made for x in (data_dir / s).read_text().splitlines() if x.strip()]
+    from .data import read_shard, shard_path
+
+    made = [s for s in m["shards"] if shard_path(data_dir, s).is_file()]
+    rows = [r for s in made for r in read_shard(shard_path(data_dir, s))]
     held = sum(r["id"] % m["heldout_every"] == 0 for r in rows)
     return {"manifest": m, "shards_made": len(made), "sequences": len(rows), "heldout_sequences": held,
             "response_tokens": sum(len(r["response_ids"]) for r in rows)}

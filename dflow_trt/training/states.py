@@ -26,7 +26,7 @@ from transformers import DynamicCache
 from ..atomic import atomic_file, write_text
 from ..errors import UserError
 from ..targets.hf_target import HFTarget
-from .data import load_dataset
+from .data import load_dataset, read_shard, shard_path
 
 DIRNAME, FORMAT, DTYPE = "states", 1, torch.bfloat16
 
@@ -53,7 +53,7 @@ def build_states(target: HFTarget, data_dir: Path, max_len: int, kv: bool = True
     by_shard: dict[str, list] = {}
     for s in train + heldout:
         by_shard.setdefault(s.shard, []).append(s)
-    todo = [s for s in shards if s in by_shard and not _current(out / _states_file(s), data_dir / s)]
+    todo = [s for s in shards if s in by_shard and not _current(out / _states_file(s), shard_path(data_dir, s))]
     bar = tqdm(total=sum(len(by_shard[s]) for s in todo), desc="target states", unit="seq")
     for shard in todo:
         tensors = {}
@@ -77,7 +77,7 @@ def build_states(target: HFTarget, data_dir: Path, max_len: int, kv: bool = True
             bar.update(len(group))
         with atomic_file(out / _states_file(shard)) as tmp:
             save_file({k: v.to(DTYPE).cpu().contiguous() for k, v in tensors.items()}, tmp,
-                      metadata={"data_sha256": _digest(data_dir / shard)})
+                      metadata={"data_sha256": _digest(shard_path(data_dir, shard))})
     bar.close()
     return out
 
@@ -92,7 +92,7 @@ class StateCache:
         self._files = {}
         for name in m["shards"]:
             p = self.dir / name
-            if _current(p, Path(data_dir) / name.replace(".safetensors", ".jsonl")):  # else: those ids run live
+            if _current(p, shard_path(data_dir, name.replace(".safetensors", ".jsonl"))):  # else: those ids run live
                 f = self._files[name] = safe_open(str(p), framework="pt")
                 self.where.update({int(k.split(".")[1]): name for k in f.keys() if k.startswith("taps.")})
         self.need_kv = need_kv
@@ -155,7 +155,7 @@ def _current(states: Path, data_shard: Path) -> bool:
         if sha is not None:
             return sha == _digest(data_shard)
         ids = {int(k.split(".")[1]) for k in f.keys() if k.startswith("taps.")}  # built before digests were stored
-    return ids == {json.loads(x)["id"] for x in data_shard.read_text().splitlines() if x.strip()}
+    return ids == {r["id"] for r in read_shard(data_shard)}
 
 
 def _states_file(data_shard: str) -> str:
