@@ -196,6 +196,13 @@ def cmd_bench_training_tau(a: argparse.Namespace) -> int:
     return bench.run(a.drafters, a.plot_out)
 
 
+def cmd_bench_make_data(a: argparse.Namespace) -> int:
+    from .benchmarks import make_data as bench
+
+    check_output(a.json_out, "data-rate report (--json-out)")
+    return bench.run(a.data_dir, a.target, a.shard, a.num_prompts, a.batch_size, a.repeats, a.threads, a.json_out)
+
+
 def cmd_bench_zlab_vocab(a: argparse.Namespace) -> int:
     from .benchmarks import zlab_vocab as bench
 
@@ -286,7 +293,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
 def _add_bench(sub) -> None:
     """`dflow-trt bench <what>`: every benchmark behind one command, each with its own flags."""
     bench = sub.add_parser("bench", help="measure: decode (tau, tokens/s per mode), round, verify, kv, scale, "
-                                         "static, fp8-matmul, serving, hints, training, training-tau, zlab-vocab",
+                                         "static, fp8-matmul, serving, hints, training, training-tau, make-data, zlab-vocab",
                            description="Every benchmark prints a table and writes a JSON report that records the "
                                        "machine it ran on (CPU, flags, threads, torch, date).")
     what = bench.add_subparsers(dest="what", metavar="WHAT", required=True)
@@ -443,6 +450,17 @@ def _add_bench(sub) -> None:
     tt.add_argument("--compute-out", default="docs/training_tau_compute.png", help="its PNG (JSON beside it)")
     tt.add_argument("--throughput", default="docs/training_throughput.json",
                     help="the training benchmark's JSON (FLOPs per step, this CPU's FLOP/s)")
+
+    md = add("make-data", cmd_bench_make_data, "make-data's rate: one data shard's prompts answered again the old "
+                                               "way (eager, arrival order) and the new (continuous, static)")
+    md.add_argument("--data-dir", default="data/smollm2-135m-p7658", help="a data set made by make-data")
+    md.add_argument("--target", default=None, help="the data set's target (default: the name its manifest records)")
+    md.add_argument("--shard", type=START, default=0, help="which complete shard's prompts")
+    md.add_argument("--num-prompts", type=COUNT, default=None, help="only the shard's first this many")
+    md.add_argument("--batch-size", type=COUNT, default=32, help="rows decoded together by the continuous ways")
+    md.add_argument("--repeats", type=COUNT, default=1, help="rounds (each way once per round, interleaved)")
+    md.add_argument("--threads", type=THREADS, default=None)
+    json_out(md, None)
 
     z = add("zlab-vocab", cmd_bench_zlab_vocab, "how often a reduced-vocabulary drafter proposes the same tokens "
                                                 "over the target's full LM head (z-lab's layout)")

@@ -107,6 +107,25 @@ def test_zlab_vocab(capsys, tmp_path, tiny_qwen3):
     assert read(out)["draft_vocab_size"] is None
 
 
+def test_make_data(capsys, tmp_path, tiny_qwen3):
+    """Every way of batching answers a shard's prompts with its committed responses, and the ways were
+    really the three (their names and speeds are in the report)."""
+    from dflow_trt.training.data import generate_dataset
+
+    d = generate_dataset(tiny_qwen3, tmp_path / "d", num_prompts=12, max_new_tokens=10, batch_size=4, shard_size=6,
+                         heldout_every=4)
+    out = tmp_path / "m.json"
+    bench(capsys, "make-data", *T, "--data-dir", d, "--shard", "1", "--batch-size", "4", "--json-out", out)
+    rep = read(out)
+    assert rep["shard"] == "shard-0001.jsonl" and rep["prompts"] == 6 and rep["max_new_tokens"] == 10
+    assert list(rep["ways"]) == ["eager, arrival order, 16", "eager, continuous, 4", "static, continuous, 4"]
+    for w in rep["ways"].values():
+        assert w["matches_data"] == w["matches_first_way"] == 6 and w["median_s"] > 0 and len(w["seconds"]) == 1
+    refused(capsys, ["bench", "make-data", *T, "--data-dir", d, "--shard", "2"], "--shard 2", "0 to 1")
+    refused(capsys, ["bench", "make-data", "--data-dir", d, "--target", "tiny-llama"], "another target", "--target")
+    refused(capsys, ["bench", "make-data", *T, "--data-dir", tmp_path], "no manifest.json")
+
+
 def test_training_tau(capsys, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -141,6 +160,8 @@ def test_training_tau(capsys, tmp_path):
     (["training", "--steps", "0"], ["--steps"]),
     (["training", "--objective", "ar"], ["--objective"]),
     (["zlab-vocab", *T, "--anchors", "0"], ["--anchors"]),
+    (["make-data", "--batch-size", "0"], ["--batch-size"]),
+    (["make-data", "--shard", "-1"], ["--shard"]),
     (["nope"], ["invalid choice", "nope"]),
     ([], ["WHAT"]),
     (["--dataset", "humaneval"], ["bench decode --dataset"]),  # the old `bench` flags name the new command
