@@ -157,8 +157,9 @@ def greedy_responses(target: HFTarget, prompts: list[list[int]], max_new_tokens:
     `PREFILL_ROWS` at a time, so each prefill pads to a length near its rows' own (prefill is most of
     a CPU's time at arrival order: one shard's 44-330-token prompts pad to ~2x their tokens); they
     decode together up to `batch_size` rows (a wider step costs less per row), and finished rows
-    leave for new ones. Measured on one 64-prompt shard, 2 cores: 150 s eager in batches of 16, 64 s
-    static in sorted batches of 32; see docs/history. Each row's tokens are its own greedy decoding."""
+    leave for new ones. `dflow-trt bench make-data` on one 64-prompt SmolLM2-135M shard, 2 cores: 105 s
+    eager in arrival-order batches of 16, 66 s eager here, 50 s static here (docs/make_data_rate.json).
+    Each row's tokens are its own greedy decoding."""
     if backend not in ("static", "torch"):
         raise ValueError(f"backend must be 'static' or 'torch', got {backend!r}")
     t = target if backend == "torch" else static_target(target, max_len=max(map(len, prompts)) + max_new_tokens)
