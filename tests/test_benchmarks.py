@@ -123,7 +123,18 @@ def test_make_data(capsys, tmp_path, tiny_qwen3):
         assert w["matches_data"] == w["matches_first_way"] == 6 and w["median_s"] > 0 and len(w["seconds"]) == 1
     refused(capsys, ["bench", "make-data", *T, "--data-dir", d, "--shard", "2"], "--shard 2", "0 to 1")
     refused(capsys, ["bench", "make-data", "--data-dir", d, "--target", "tiny-llama"], "another target", "--target")
-    refused(capsys, ["bench", "make-data", *T, "--data-dir", tmp_path], "no manifest.json")
+    refused(capsys, ["bench", "make-data", *T, "--data-dir", tmp_path], "manifest.json is missing", "make-data")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "manifest.json").write_text("{not json")
+    refused(capsys, ["bench", "make-data", *T, "--data-dir", bad], "not readable JSON", "make-data")
+    (bad / "manifest.json").write_text(json.dumps({"format": 1, "shards": ["shard-0000.jsonl"]}))
+    refused(capsys, ["bench", "make-data", *T, "--data-dir", bad], "lacks target, target_fingerprint, max_new_tokens")
+    m = json.loads((d / "manifest.json").read_text())
+    (bad / "manifest.json").write_text(json.dumps(m))
+    refused(capsys, ["bench", "make-data", *T, "--data-dir", bad], "no complete shard")
+    (bad / "shard-0000.jsonl.gz").write_bytes(b"\x1f\x8b" + bytes(30))
+    refused(capsys, ["bench", "make-data", *T, "--data-dir", bad], "unreadable", "--shard")
 
 
 def test_training_tau(capsys, tmp_path):

@@ -67,7 +67,7 @@ def test_dataset_manifest_and_heldout(data_dir, tiny_qwen3):
     assert not any((data_dir / s).exists() for s in m["shards"])
     assert sorted(s["id"] for s in seqs) == list(range(48))
     # the responses are the target's own greedy continuations: the data set was made on the static back
-    # end in length-sorted batches of 8; each prompt decoded alone on the eager target gives the same tokens
+    # end, continuously batched 8 wide; each prompt decoded alone on the eager target gives the same tokens
     first = seqs[:16]
     assert len({len(s["prompt_ids"]) for s in first}) > 8  # prompts of many lengths, so the batches were reordered
     for s in first:
@@ -528,9 +528,63 @@ def test_greedy_responses_keep_prompt_order_on_both_back_ends(tiny_qwen3, monkey
         real = getattr(DecodeBatch, name)
         monkeypatch.setattr(DecodeBatch, name, lambda self, x, _r=real, _n=name: calls.__setitem__(_n, calls[_n] + 1)
                             or _r(self, x))
+    prefilled = []
+    real_init = DecodeBatch.__init__
+    monkeypatch.setattr(DecodeBatch, "__init__", lambda self, t, d, ps, *a, **k: prefilled.append(list(map(len, ps)))
+                        or real_init(self, t, d, ps, *a, **k))
     monkeypatch.setattr(data, "PREFILL_ROWS", 2)
     monkeypatch.setattr(tiny_qwen3, "info", dataclasses.replace(tiny_qwen3.info, eos_token_ids=(stop,)))
     for backend in ("static", "torch"):
         calls.update(join=0, keep=0)
+        prefilled.clear()
         assert data.greedy_responses(tiny_qwen3, prompts, 12, batch_size=3, backend=backend) == alone, backend
         assert calls["join"] >= 2 and calls["keep"] >= 1, (backend, calls)  # rows joined and left mid-decode
+        flat = [n for group in prefilled for n in group]
+        assert flat == sorted(map(len, prompts)) and max(map(len, prefilled)) == 2  # shortest first, 2 at a time
+    # rows done at prefill (one new token) leave at once
+    one = [generate(tiny_qwen3, None, [p], DecodeOptions(mode="ar", max_new_tokens=1)).token_ids[0] for p in prompts]
+    assert data.greedy_responses(tiny_qwen3, prompts, 1, batch_size=3) == one and all(len(r) == 1 for r in one)
+    # a target whose rows cannot join (a sliding-window cache) decodes length-sorted batches instead
+    monkeypatch.setattr(data, "can_batch", lambda t, d: False)
+    calls.update(join=0, keep=0)
+    assert data.greedy_responses(tiny_qwen3, prompts, 12, batch_size=3, backend="torch") == alone
+    assert calls == {"join": 0, "keep": 0}
+    assert data.greedy_responses(tiny_qwen3, [], 12, batch_size=3) == []
+    from dflow_trt.errors import UserError
+
+    with pytest.raises(UserError, match="lower --max-new-tokens"):
+        data.greedy_responses(tiny_qwen3, prompts, tiny_qwen3.info.max_context, batch_size=3)
+
+
+def test_shards_are_compressed_and_plain_ones_read_the_same(tiny_qwen3, tmp_path):
+    """Shards are written as .jsonl.gz; a data set of plain .jsonl shards (made before) loads the same,
+    its state cache stays current when compress_shards rewrites it, and a damaged shard is made again
+    by make-data and refused in one line by the loader."""
+    import gzip
+
+    from dflow_trt.errors import UserError
+    from dflow_trt.training.data import compress_shards, load_dataset
+    from dflow_trt.training.states import StateCache, build_states
+
+    d = tmp_path / "d"
+    kw = dict(num_prompts=8, max_new_tokens=6, batch_size=4, shard_size=4, heldout_every=4)
+    generate_dataset(tiny_qwen3, d, **kw)
+    names = json.loads((d / "manifest.json").read_text())["shards"]
+    gz = {s: (d / f"{s}.gz").read_bytes() for s in names}
+    ref = load_dataset(d, tiny_qwen3)
+    for s in names:  # the plain layout of data sets made before compression
+        (d / s).write_bytes(gzip.decompress(gz[s]))
+        (d / f"{s}.gz").unlink()
+    assert load_dataset(d, tiny_qwen3) == ref
+    build_states(tiny_qwen3, d, max_len=400, kv=False)
+    assert compress_shards(d) == 2 and sorted(p.name for p in d.glob("shard-*")) == [f"{s}.gz" for s in names]
+    assert load_dataset(d, tiny_qwen3) == ref
+    assert StateCache(d, tiny_qwen3, need_kv=False).covers([s.id for s in ref[0] + ref[1]])  # still current
+    generate_dataset(tiny_qwen3, d, **kw)  # nothing to make: the compressed shards are complete
+    assert {s: (d / f"{s}.gz").read_bytes() for s in names} == {s: gzip.compress(gzip.decompress(gz[s]), 9, mtime=0)
+                                                                  for s in names}
+    (d / f"{names[1]}.gz").write_bytes(gz[names[1]][:20] + bytes(40))  # damaged
+    with pytest.raises(UserError, match=f"{names[1]}.gz is unreadable.*make-data"):
+        load_dataset(d, tiny_qwen3)
+    generate_dataset(tiny_qwen3, d, **kw)  # made again
+    assert load_dataset(d, tiny_qwen3) == ref

@@ -17,6 +17,7 @@ from pathlib import Path
 from . import report
 
 OLD_BATCH = 16  # make-data's batch before continuous batching
+NEEDED = ("target", "target_fingerprint", "max_new_tokens")  # manifest fields the bench reads
 
 
 def _ways(target, prompts: list[list[int]], max_new: int, batch_size: int) -> dict:
@@ -38,27 +39,35 @@ def run(data_dir: str, target: str | None = None, shard: int = 0, num_prompts: i
         batch_size: int = 32, repeats: int = 1, threads: int | None = None, json_out: str | None = None) -> int:
     """Exit 1 when the ways' responses differ from each other (on one machine they must not; the
     committed data, made on another CPU, may differ at a near tie, and is only reported)."""
-    import json
-
+    from ..atomic import read_json
+    from ..backends.static import static_target
     from ..errors import UserError
     from ..targets import load_target
-    from ..training.data import read_shard, shard_path
+    from ..training.data import FORMAT, UNREADABLE, read_shard, shard_path
 
     report.set_threads(threads)
     d = Path(data_dir)
-    if not (d / "manifest.json").is_file():
-        raise UserError(f"{d} holds no data set (no manifest.json); point --data-dir at one made by make-data")
-    m = json.loads((d / "manifest.json").read_text())
+    fix = "point --data-dir at a data set made by make-data"
+    m = read_json(d / "manifest.json", "format", FORMAT, fix)
+    if not isinstance(m.get("shards"), list) or not all(k in m for k in NEEDED):
+        raise UserError(f"{d / 'manifest.json'} lacks {', '.join(k for k in ('shards', *NEEDED) if k not in m)}; {fix}")
     names = [s for s in m["shards"] if shard_path(d, s).exists()]
+    if not names:
+        raise UserError(f"{d} has no complete shard yet; run make-data into it first")
     if shard >= len(names):
         raise UserError(f"{d} has {len(names)} complete shards, so --shard {shard} is out of range; use 0 to "
                         f"{len(names) - 1}")
-    rows = read_shard(shard_path(d, names[shard]))[:num_prompts]
+    try:
+        rows = read_shard(shard_path(d, names[shard]))[:num_prompts]
+    except UNREADABLE as e:
+        raise UserError(f"{shard_path(d, names[shard])} is unreadable ({type(e).__name__}); pick another --shard "
+                        f"or make it again with make-data") from None
     spec = target or m["target"]
     target = load_target(spec, num_taps=0)
     if target.info.fingerprint != m["target_fingerprint"]:
         raise UserError(f"{d} was made by another target than {spec!r} (fingerprint {m['target_fingerprint']} vs "
                         f"{target.info.fingerprint}); pass its --target or use a data set of this one")
+    static_target(target)  # a target the static back end cannot run is refused before any timing
     prompts = [r["prompt_ids"] for r in rows]
     made: dict[str, list] = {}
     ways = {k: (lambda k=k, f=f: made.__setitem__(k, f())) for k, f in _ways(target, prompts, m["max_new_tokens"],

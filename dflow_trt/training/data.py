@@ -25,6 +25,7 @@ import gzip
 import hashlib
 import json
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,13 +34,14 @@ from tqdm import tqdm
 
 from ..atomic import write_bytes, write_text
 from ..backends.static import static_target
-from ..decoding.loop import DecodeBatch
+from ..decoding.loop import DecodeBatch, can_batch, generate
 from ..decoding.options import DecodeOptions
 from ..errors import UserError
 from ..targets.hf_target import HFTarget, tokenizer_fingerprint
 from .prompts import build_prompts
 
 FORMAT = 1
+UNREADABLE = (OSError, EOFError, ValueError, zlib.error)  # a file missing, cut short, not gzip/UTF-8/JSON
 
 
 @dataclass
@@ -68,7 +70,7 @@ def read_prompts_file(path: Path) -> tuple[list[dict], str]:
         raw = path.read_bytes()
         text = (gzip.decompress(raw) if path.suffix == ".gz" else raw).decode("utf-8")
         rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-    except (OSError, EOFError, ValueError) as e:  # ValueError: not gzip, UTF-8 or JSON
+    except UNREADABLE as e:
         raise UserError(f"cannot read prompts file {path} ({type(e).__name__}); write it with "
                         f"`python -m dflow_trt.training.recipe pack`") from None
     ok = all(isinstance(r, dict) and isinstance(r.get("id"), int) and isinstance(r.get("prompt"), str)
@@ -92,7 +94,7 @@ def _prompts(num_prompts: int, first_prompt: int, seed: int, prompts_file: Path 
 
 
 def generate_dataset(target: HFTarget, out_dir: Path, num_prompts: int, max_new_tokens: int = 128,
-                     batch_size: int = 16, shard_size: int = 64, heldout_every: int = 20, seed: int = 0,
+                     batch_size: int = 32, shard_size: int = 64, heldout_every: int = 20, seed: int = 0,
                      first_prompt: int = 0, prompts_file: Path | None = None, max_minutes: float = 0,
                      backend: str = "static") -> Path:
     """Make (or resume) the data set; with `max_minutes`, stop after the shard that passes that time
@@ -159,18 +161,37 @@ def greedy_responses(target: HFTarget, prompts: list[list[int]], max_new_tokens:
     decode together up to `batch_size` rows (a wider step costs less per row), and finished rows
     leave for new ones. `dflow-trt bench make-data` on one 64-prompt SmolLM2-135M shard, 2 cores: 105 s
     eager in arrival-order batches of 16, 66 s eager here, 50 s static here (docs/make_data_rate.json).
-    Each row's tokens are its own greedy decoding."""
+    Each row's tokens are its own greedy decoding. A target whose rows cannot join (`can_batch`: a
+    sliding-window cache) decodes length-sorted batches of `batch_size` instead. On a GPU every prefill
+    takes a whole batch: there a wide prefill is cheap and the joins' copies are not."""
     if backend not in ("static", "torch"):
         raise ValueError(f"backend must be 'static' or 'torch', got {backend!r}")
-    t = target if backend == "torch" else static_target(target, max_len=max(map(len, prompts)) + max_new_tokens)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not prompts:
+        return []
+    longest = max(map(len, prompts))
+    context = target.info.max_context
+    if context and longest + max_new_tokens > context:
+        raise UserError(f"a prompt of {longest} tokens plus {max_new_tokens} new ones exceeds {target.info.name}'s "
+                        f"context of {context} positions; lower --max-new-tokens or drop the longest prompts")
+    t = target if backend == "torch" else static_target(target, max_len=longest + max_new_tokens)
     options = DecodeOptions(mode="ar", max_new_tokens=max_new_tokens)
     queue = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[list[int]] = [[] for _ in prompts]
+    if not can_batch(t, None):
+        for j in range(0, len(queue), batch_size):
+            rows = queue[j:j + batch_size]
+            for i, r in zip(rows, generate(t, None, [prompts[i] for i in rows], options).token_ids):
+                out[i] = r
+            progress(len(rows))
+        return out
+    prefill_rows = PREFILL_ROWS if t.device.type == "cpu" else batch_size
     batch, rows = None, []  # rows[k]: the prompt index of the batch's row k
     with torch.inference_mode():
         while queue or rows:
             while queue and len(rows) < batch_size:  # top up with the next shortest prompts
-                take = queue[:min(PREFILL_ROWS, batch_size - len(rows))]
+                take = queue[:min(prefill_rows, batch_size - len(rows))]
                 del queue[:len(take)]
                 new = DecodeBatch(t, None, [prompts[i] for i in take], options)
                 if batch is None:
@@ -194,40 +215,52 @@ def greedy_responses(target: HFTarget, prompts: list[list[int]], max_new_tokens:
 
 def shard_path(data_dir: Path, name: str) -> Path:
     """The file of the shard the manifest calls `name`: `name.gz`, or `name` in a data set made before
-    shards were compressed."""
-    gz = Path(data_dir) / f"{name}.gz"
-    return gz if gz.exists() else Path(data_dir) / name
+    shards were compressed; where both exist (an older checkout wrote the plain one), the newer."""
+    gz, plain = Path(data_dir) / f"{name}.gz", Path(data_dir) / name
+    if gz.exists() and plain.exists():
+        return max(gz, plain, key=lambda p: p.stat().st_mtime_ns)
+    return gz if gz.exists() else plain
+
+
+def shard_bytes(path: Path) -> bytes:
+    """A shard file's JSONL bytes, compressed (.gz) or not: what a state cache's digest is taken over,
+    so compressing a shard keeps its states current."""
+    raw = Path(path).read_bytes()
+    return gzip.decompress(raw) if str(path).endswith(".gz") else raw
 
 
 def read_shard(path: Path) -> list[dict]:
     """A shard file's rows, compressed (.gz) or not."""
-    raw = Path(path).read_bytes()
-    text = (gzip.decompress(raw) if str(path).endswith(".gz") else raw).decode()
-    return [json.loads(x) for x in text.splitlines() if x.strip()]
+    return [json.loads(x) for x in shard_bytes(path).decode().splitlines() if x.strip()]
 
 
 def _write_shard(data_dir: Path, name: str, rows: list[dict]) -> None:
-    """Write shard `name` compressed (mtime 0: the same rows give the same bytes, and the same state-cache
-    digest), then drop a plain file of the same shard."""
+    """Write shard `name` compressed, then drop a plain file of the same shard."""
     text = "".join(json.dumps(r) + "\n" for r in rows)
     write_bytes(Path(data_dir) / f"{name}.gz", gzip.compress(text.encode(), compresslevel=9, mtime=0))
     (Path(data_dir) / name).unlink(missing_ok=True)
 
 
 def compress_shards(data_dir: Path) -> int:
-    """Rewrite a data set's plain shards compressed, rows unchanged; returns how many."""
+    """Rewrite a data set's plain shards compressed, rows unchanged (a plain file older than its .gz twin is
+    dropped); returns how many were rewritten."""
     m = json.loads((Path(data_dir) / "manifest.json").read_text())
-    plain = [s for s in m["shards"] if shard_path(data_dir, s).name == s and (Path(data_dir) / s).exists()]
-    for s in plain:
-        _write_shard(data_dir, s, read_shard(Path(data_dir) / s))
-    return len(plain)
+    n = 0
+    for s in m["shards"]:
+        f = shard_path(data_dir, s)
+        if f.name == s:  # the plain file is the shard
+            _write_shard(data_dir, s, read_shard(f))
+            n += 1
+        else:
+            (Path(data_dir) / s).unlink(missing_ok=True)
+    return n
 
 
 def _shard_done(path: Path, chunk: list[dict], tokenizer) -> bool:
     """Whether `path` holds exactly `chunk`'s responses; a shard of other prompts is refused."""
     try:
         rows = read_shard(path)
-    except (OSError, EOFError, ValueError):  # ValueError: bad JSON, UTF-8 or gzip data
+    except UNREADABLE:
         return False  # missing or unreadable: generate it (again)
     ids = [r.get("id") for r in rows]
     if not rows:
@@ -262,7 +295,12 @@ def load_dataset(data_dir: Path, target: HFTarget) -> tuple[list[Sequence], list
         p = shard_path(data_dir, s)
         if not p.exists():
             continue  # generation still running or interrupted; use what is complete
-        for d in read_shard(p):
+        try:
+            rows = read_shard(p)
+        except UNREADABLE as e:
+            raise UserError(f"data shard {p} is unreadable ({type(e).__name__}); delete it and rerun "
+                            f"`dflow-trt make-data` with the same flags to make it again") from None
+        for d in rows:
             seq = Sequence(d["id"], d["prompt_ids"], d["response_ids"], s)
             (heldout if seq.id % every == 0 else train).append(seq)
     if not train:

@@ -26,7 +26,7 @@ from transformers import DynamicCache
 from ..atomic import atomic_file, write_text
 from ..errors import UserError
 from ..targets.hf_target import HFTarget
-from .data import load_dataset, read_shard, shard_path
+from .data import load_dataset, read_shard, shard_bytes, shard_path
 
 DIRNAME, FORMAT, DTYPE = "states", 1, torch.bfloat16
 
@@ -143,7 +143,7 @@ def _manifest(path: Path, target: HFTarget) -> dict:
 
 
 def _digest(data_shard: Path) -> str:
-    return hashlib.sha256(data_shard.read_bytes()).hexdigest()
+    return hashlib.sha256(shard_bytes(data_shard)).hexdigest()  # of the JSONL: the same compressed or not
 
 
 def _current(states: Path, data_shard: Path) -> bool:
