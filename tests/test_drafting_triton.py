@@ -245,7 +245,8 @@ def test_concurrent_mix_over_triton_gets_what_each_gets_alone(server, tiny_qwen3
         got = [f.result(timeout=600) for f in futs]
         cancel.result(timeout=600)
         killed.result(timeout=600)
-    assert max(g.stats["batch_rows"] for g in got) >= 4, [g.stats["batch_rows"] for g in got]
+    # rows shared batches (3 at least: what the verify budget below needs; more overlap with timing)
+    assert max(g.stats["batch_rows"] for g in got) >= 3, [g.stats["batch_rows"] for g in got]
     # the verify budget (16 tokens a pass) applied: alone a block-8 row verifies 7 drafts a round, in a
     # batch of 3 or more rows fewer
     per_round = lambda x: x.stats["verified_drafts"] / len(x.stats["acceptance_lengths"])  # noqa: E731
