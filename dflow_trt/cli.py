@@ -265,6 +265,30 @@ def cmd_cache_states(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache_flows(a: argparse.Namespace) -> int:
+    from .drafter.defaults import DEFAULT_NUM_TAPS
+    from .drafter.io import load_drafter
+    from .targets import load_target
+    from .training.data import load_dataset
+    from .training.flows import build_flows
+    from .training.trainer import _fits, compute_dtype
+
+    check_output(a.data_dir, "data folder (--data-dir)", folder=True)
+    if a.precision not in ("auto", "fp32", "bf16"):
+        raise UserError(f"unknown --precision {a.precision!r}; use auto, fp32 or bf16")
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
+    target = load_target(a.target, num_taps=a.num_taps or DEFAULT_NUM_TAPS)
+    drafter = load_drafter(a.drafter, target)
+    train_seqs, heldout = (_fits(x, a.max_len) for x in load_dataset(Path(a.data_dir), target))
+    print(build_flows(target, drafter, Path(a.data_dir), heldout[: a.eval_seqs] + train_seqs, a.anchors_per_seq,
+                      a.max_len, seed=a.seed, compute_dtype=compute_dtype(a.precision), precision=a.precision,
+                      max_seqs=a.max_seqs))
+    return 0
+
+
 def cmd_train(a: argparse.Namespace) -> int:
     from dataclasses import fields
 
@@ -553,6 +577,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-taps", type=COUNT, default=None, help="as the trainer's --num-taps (default 3)")
     s.add_argument("--no-kv", action="store_true", help="taps only (enough for --objective dflash)")
     s.set_defaults(func=cmd_cache_states)
+
+    f = sub.add_parser("cache-flows", help="run a frozen drafter's first rounds through the target once, for "
+                                            "`train --train-part relay` (resumable)")
+    f.add_argument("--target", default="smollm2-135m")
+    f.add_argument("--drafter", required=True, help="the drafter whose body stays frozen (the run's --init-from)")
+    f.add_argument("--data-dir", default="runs/data-smollm2")
+    f.add_argument("--anchors-per-seq", type=COUNT, default=16, help="as the trainer's --anchors-per-seq")
+    f.add_argument("--max-len", type=BLOCK, default=320, help="as the trainer's --max-len")
+    f.add_argument("--seed", type=SEED, default=0, help="as the trainer's --seed (it places the anchors)")
+    f.add_argument("--precision", default="auto", help="as the trainer's --precision")
+    f.add_argument("--num-taps", type=COUNT, default=None, help="as the trainer's --num-taps (default 3)")
+    f.add_argument("--eval-seqs", type=COUNT, default=24, help="held-out sequences first, as the trainer's --eval-seqs")
+    f.add_argument("--max-seqs", type=COUNT, default=None, help="stop after this many sequences (default: all)")
+    f.add_argument("--threads", type=THREADS, default=None)
+    f.set_defaults(func=cmd_cache_flows)
 
     t = sub.add_parser("train", help="train a DFlash or DFlow drafter (resumable; torchrun for DDP)")
     _add_train_flags(t)

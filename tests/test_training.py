@@ -509,6 +509,69 @@ def test_flow_branch_gets_its_own_learning_rate(trained, data_dir, tiny_qwen3, t
                 "--out-dir", str(tmp_path / "bad"), "--steps", "5"), "--flow-lr-mult", "--objective dflow")
 
 
+def test_relay_trains_alone_on_cached_first_rounds(trained, data_dir, tiny_qwen3, tmp_path):
+    """`cache-flows` stores a frozen DFlash body's first rounds (anchors, accepted lengths, the
+    verifier flow) equal to what the live DFlow step computes for them; `--train-part relay` then
+    trains the relay branch alone on them: the body comes out bit for bit as it went in, the relay
+    branch has grown, the log carries the relay's own gain on equal blocks, decoding stays lossless."""
+    from dflow_trt.training.data import load_dataset
+    from dflow_trt.training.flows import FlowCache, body_fingerprint, flows_dir
+    from dflow_trt.training.objective import _labels, collate, drafter_blocks, target_states, verifier_flow
+    from dflow_trt.training.trainer import _fits
+
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    src_dir = trained["dflash"] / "drafter"
+    src = load_drafter(src_dir, tiny_qwen3)
+    flows_args = ["--target", "tiny-qwen3", "--drafter", str(src_dir), "--data-dir", str(data), "--anchors-per-seq",
+                  "4", "--max-len", "400", "--eval-seqs", "4", "--precision", "fp32", "--threads", "1"]
+    r = _cli("cache-flows", *flows_args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    fdir = flows_dir(data, src)
+    assert sorted(p.name for p in fdir.iterdir()) == ["manifest.json", "part-0000.safetensors"]  # 4 + 41 sequences
+
+    # the cached first rounds equal the live ones, for sequences batched otherwise than at build time
+    cache = FlowCache(fdir, tiny_qwen3, src, 4, 400, 0, "fp32")
+    train_seqs, heldout = (_fits(x, 400) for x in load_dataset(data, tiny_qwen3))  # as the trainer filters them
+    seqs = [train_seqs[5], heldout[0], train_seqs[20]]
+    assert all(cache.covers(s.id) for s in train_seqs + heldout[:4]) and not cache.covers(heldout[4].id)
+    batch = collate(seqs, 400)
+    anchors, accepted, flow = cache.batch(batch.seq_ids)
+    with torch.no_grad():
+        taps, kv = target_states(tiny_qwen3, batch, keep_cache=True)
+        labels = _labels(batch, anchors, 4)
+        drafts = src.draft_vocab[drafter_blocks(src, taps, batch, anchors, None).argmax(-1)]
+        live, live_acc = verifier_flow(tiny_qwen3, kv, batch, anchors, drafts, labels)
+    assert torch.equal(accepted, live_acc) and torch.equal(flow.valid, live.valid) and flow.valid.any()
+    assert torch.equal(flow.token_ids, live.token_ids) and torch.equal(flow.hint_ids, live.hint_ids)
+    torch.testing.assert_close(flow.taps, live.taps.float(), rtol=2e-2, atol=2e-2)  # stored in bf16
+
+    out = tmp_path / "relay"
+    args = [*TRAIN, "--data-dir", str(data), "--objective", "dflow", "--train-part", "relay", "--precision", "fp32",
+            "--lr", "3e-3", "--eval-every", "10", "--init-from", str(src_dir)]
+    r = _cli("train", *args, "--out-dir", str(out), "--steps", "70")
+    assert r.returncode == 0 and f"relay only: {len(train_seqs)} training and 4 held-out sequences" in r.stdout, r.stderr[-3000:]
+    log = _log(out)
+    assert log[:40] == _log(trained["dflash"]) and {"eval_tau_flow", "eval_tau_flow_off"} <= log[-1].keys()
+    before, after = load_file(src_dir / "model.safetensors"), load_file(out / "drafter" / "model.safetensors")
+    relay = set(src.FLOW_BRANCH)
+    assert {k for k in after if k.split(".")[0] not in relay} == set(before)
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # the body did not move
+    assert after["hint_gate"].abs().item() > 0 and after["flow_norm.weight"].abs().max() > 0
+    assert not after["no_flow"].any()  # rounds without flow draft exactly as the DFlash drafter
+    assert body_fingerprint(load_drafter(out / "drafter", tiny_qwen3)) == body_fingerprint(src)
+    _assert_dflow_lossless(tiny_qwen3, out / "drafter")
+
+    # bad input: no --init-from; a body whose flows were not built; flows of another seed
+    _error(_cli("train", *TRAIN, "--data-dir", str(data), "--objective", "dflow", "--train-part", "relay",
+                "--out-dir", str(tmp_path / "b1"), "--steps", "5"), "--train-part relay", "--init-from")
+    _error(_cli("train", *args[:-1], str(trained["dflow"] / "drafter"), "--out-dir", str(tmp_path / "b2"),
+                "--steps", "60"), "no verifier flows", "cache-flows")
+    _error(_cli("train", *args, "--seed", "3", "--out-dir", str(tmp_path / "b3"), "--steps", "60"),
+           "built with other seed")
+    _error(_cli("cache-flows", *flows_args, "--seed", "3"), "other settings", "delete it")
+
+
 def test_greedy_responses_keep_prompt_order_on_both_back_ends(tiny_qwen3, monkeypatch):
     """Rows are prefilled shortest first, join a running batch and leave it when finished (continuous
     batching), yet each prompt gets its own greedy answer, in the prompts' order, on either back end."""

@@ -58,7 +58,7 @@ def seqs(tiny_qwen3) -> list[tuple[list[int], int]]:
 
 
 def _batch(seqs) -> Batch:
-    """Right-padded batch of the rows, as the trainer's `_collate` makes it."""
+    """Right-padded batch of the rows, as the trainer's `collate` makes it."""
     T = max(len(s) for s, _ in seqs)
     ids = torch.zeros(len(seqs), T, dtype=torch.long)  # [N, T]
     for i, (s, _) in enumerate(seqs):

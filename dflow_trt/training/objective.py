@@ -27,6 +27,7 @@ from ..decoding.flow import carry_flow
 from ..decoding.interfaces import FlowState
 from ..drafter.model import DFlowDrafter
 from ..targets.hf_target import HFTarget
+from .data import Sequence
 
 IGNORE = -100
 
@@ -44,6 +45,19 @@ class BlockStats:
     loss: torch.Tensor
     accepted: torch.Tensor  # [num_valid_blocks] greedy accepted drafts per block (teacher-forced context)
     pred: torch.Tensor | None = None  # [N, nb, S-1] greedy draft-vocabulary indices
+
+
+def collate(seqs: list[Sequence], max_len: int) -> Batch:
+    """Right-padded batch of the sequences, cut at max_len."""
+    T = min(max_len, max(len(s.ids) for s in seqs))
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    lens, plens = [], []
+    for i, s in enumerate(seqs):
+        x = s.ids[:T]
+        ids[i, : len(x)] = torch.tensor(x)
+        lens.append(len(x))
+        plens.append(min(len(s.prompt_ids), len(x) - 1))
+    return Batch(ids=ids, lens=torch.tensor(lens), prompt_lens=torch.tensor(plens), seq_ids=[s.id for s in seqs])
 
 
 def sample_anchors(batch: Batch, num_anchors: int, block_size: int, gen: torch.Generator) -> torch.Tensor:

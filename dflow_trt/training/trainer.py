@@ -32,8 +32,9 @@ from ..errors import UserError
 from ..targets import load_target
 from ..targets.hf_target import HFTarget
 from .data import Sequence, load_dataset
-from .objective import (Batch, _labels, block_loss, drafter_blocks, drafter_context, sample_anchors, target_states,
-                        verifier_flow)
+from .objective import (Batch, BlockStats, _labels, block_loss, collate, drafter_blocks, drafter_context, sample_anchors,
+                        target_states, verifier_flow)
+from .flows import FlowCache, flows_dir
 from .states import StateCache
 
 
@@ -57,6 +58,7 @@ class TrainConfig:
     max_len: int = 320
     lr: float = 6e-4
     flow_lr_mult: float = 1.0  # DFlow: the flow branch's learning rate is lr times this (a branch grown on a trained base)
+    train_part: str = "all"  # DFlow: all | relay (the --init-from body frozen, only the relay branch trained, on first rounds cached by `dflow-trt cache-flows`)
     warmup_frac: float = 0.04
     weight_decay: float = 0.01
     grad_clip: float = 1.0
@@ -116,6 +118,11 @@ class TrainConfig:
             raise UserError(f"unknown relay {self.relay!r}; use ours or paper")
         if (self.relay != "ours" or self.flow_rounds) and self.objective != "dflow":
             raise UserError("--relay and --flow-rounds apply to the flow rounds, which only --objective dflow has")
+        if self.train_part not in ("all", "relay"):
+            raise UserError(f"unknown --train-part {self.train_part!r}; use all or relay")
+        if self.train_part == "relay" and (self.objective != "dflow" or not self.init_from or self.flow_rounds > 1):
+            raise UserError("--train-part relay trains a DFlow relay on a frozen body: it needs --objective dflow, "
+                            "--init-from <the drafter whose body stays> and one flow round (--flow-rounds 0 or 1)")
 
     @classmethod
     def from_file(cls, path: str, **overrides) -> "TrainConfig":
@@ -135,12 +142,15 @@ class TrainConfig:
 class Objective(nn.Module):
     """Wraps the drafter so DDP sees one forward per step; the frozen target is not a submodule."""
 
-    def __init__(self, drafter: DFlowDrafter, target: HFTarget, cfg: TrainConfig, cache: StateCache | None = None):
+    def __init__(self, drafter: DFlowDrafter, target: HFTarget, cfg: TrainConfig, cache: StateCache | None = None,
+                 flows: FlowCache | None = None):
         super().__init__()
-        self.drafter, self.target, self.cfg, self.cache = drafter, target, cfg, cache
+        self.drafter, self.target, self.cfg, self.cache, self.flows = drafter, target, cfg, cache, flows
         self.register_buffer("to_draft", _to_draft(drafter, target.info.vocab_size), persistent=False)
         self.compute_dtype = compute_dtype(getattr(cfg, "precision", "fp32"))
         self.flow_stats: list = []  # each flow round's BlockStats of the last forward (DFlow)
+        self.measure_relay_off = False  # `evaluate` sets it: also draft the first flow round's blocks without flow
+        self.flow_off_stats: BlockStats | None = None  # ... and their stats land here
 
     def forward(self, batch: Batch, gen: torch.Generator):
         """-> (loss, stats of the first prediction, stats of the first flow-conditioned one or None).
@@ -151,6 +161,8 @@ class Objective(nn.Module):
         gradient crosses a round (proposals are argmax ids, the flow comes from the target under
         no_grad) or reaches the target. Every flow round's stats: `self.flow_stats`."""
         c, m = self.cfg, self.drafter
+        if self.flows is not None:
+            return self._relay_only(batch)
         dflow = c.objective == "dflow"
         taps, kv = target_states(self.target, batch, keep_cache=dflow, cache=self.cache)
         anchors = sample_anchors(batch, c.anchors_per_seq, c.block_size, gen)  # [N, nb]
@@ -176,9 +188,38 @@ class Objective(nn.Module):
             st = block_loss(m, logits, labels, c.gamma, self.to_draft)
             loss = loss + st.loss
             self.flow_stats.append(st)
+            if r == 0:
+                self._relay_off(ctx, batch, anchors, labels)
             if r + 1 < flow_rounds(c):
                 drafts = m.draft_vocab[st.pred if st.pred is not None else logits.argmax(-1)]
         return loss, first, self.flow_stats[0]
+
+    def _relay_only(self, batch: Batch):
+        """`--train-part relay`: the frozen body's first round and its verification come from the
+        flow cache; the step is the flow-conditioned round alone."""
+        c, m = self.cfg, self.drafter
+        taps, _ = target_states(self.target, batch, keep_cache=False, cache=self.cache)
+        anchors, accepted, flow = self.flows.batch(batch.seq_ids)  # [N, k], [N, k], flow over [N*k, S]
+        first = BlockStats(loss=torch.zeros(()), accepted=accepted.flatten())
+        anchors = anchors + accepted + 1  # the next round's block starts after the bonus token
+        labels = _labels(batch, anchors, c.block_size)
+        with self._autocast():
+            ctx = drafter_context(m, taps)
+            logits = drafter_blocks(m, ctx, batch, anchors, flow)
+        st = block_loss(m, logits, labels, c.gamma, self.to_draft)
+        self.flow_stats = [st]
+        self._relay_off(ctx, batch, anchors, labels)
+        return st.loss, first, st
+
+    def _relay_off(self, ctx, batch: Batch, anchors: torch.Tensor, labels: torch.Tensor) -> None:
+        """In evaluation (`measure_relay_off`), the same flow-round blocks drafted without flow: with
+        the flow round's τ, the relay's own gain on equal blocks."""
+        self.flow_off_stats = None
+        if not self.measure_relay_off:
+            return
+        with self._autocast():
+            logits = drafter_blocks(self.drafter, ctx, batch, anchors, None)
+        self.flow_off_stats = block_loss(self.drafter, logits, labels, self.cfg.gamma, self.to_draft)
 
     def _autocast(self):
         """bf16 autocast of the drafter's passes where `compute_dtype` is bf16, else nothing."""
@@ -223,7 +264,7 @@ def _state_cache(cfg: TrainConfig, target: HFTarget, seqs: list[Sequence], rank:
     """The data's cached target states when they serve this run, else None (the target runs each step)."""
     if cfg.states == "off":
         return None
-    need_kv = cfg.objective == "dflow"
+    need_kv = cfg.objective == "dflow" and cfg.train_part == "all"
     why = StateCache.usable(Path(cfg.data_dir), target, cfg.max_len, need_kv)
     cache = StateCache(Path(cfg.data_dir), target, need_kv) if why is None else None
     if cache is not None and not cache.covers([s.id for s in seqs]):
@@ -237,18 +278,6 @@ def _state_cache(cfg: TrainConfig, target: HFTarget, seqs: list[Sequence], rank:
 def _fits(seqs: list[Sequence], max_len: int) -> list[Sequence]:
     """Sequences with at least two response tokens inside `max_len` (an anchor and one label)."""
     return [s for s in seqs if min(len(s.ids), max_len) >= len(s.prompt_ids) + 2]
-
-
-def _collate(seqs: list[Sequence], max_len: int) -> Batch:
-    T = min(max_len, max(len(s.ids) for s in seqs))
-    ids = torch.zeros(len(seqs), T, dtype=torch.long)
-    lens, plens = [], []
-    for i, s in enumerate(seqs):
-        x = s.ids[:T]
-        ids[i, : len(x)] = torch.tensor(x)
-        lens.append(len(x))
-        plens.append(min(len(s.prompt_ids), len(x) - 1))
-    return Batch(ids=ids, lens=torch.tensor(lens), prompt_lens=torch.tensor(plens), seq_ids=[s.id for s in seqs])
 
 
 def _lr_at(step: int, cfg: TrainConfig, base: int = 0) -> float:
@@ -267,8 +296,9 @@ def _param_groups(drafter: DFlowDrafter, params: list[nn.Parameter], cfg: TrainC
     if cfg.flow_lr_mult == 1.0:
         return [{"params": params}], [1.0]
     flow = {id(p) for p in drafter.flow_parameters()}
-    return ([{"params": [p for p in params if id(p) not in flow]}, {"params": [p for p in params if id(p) in flow]}],
-            [1.0, cfg.flow_lr_mult])
+    groups = [([p for p in params if id(p) not in flow], 1.0), ([p for p in params if id(p) in flow], cfg.flow_lr_mult)]
+    groups = [(ps, m) for ps, m in groups if ps]  # a frozen body (--train-part relay) leaves the first empty
+    return [{"params": ps} for ps, _ in groups], [m for _, m in groups]
 
 
 def adamw(groups: list[dict], cfg: TrainConfig) -> torch.optim.AdamW:
@@ -284,7 +314,7 @@ def _run_identity(cfg: dict) -> dict:
     """Settings a resumed run must share (steps may grow; logging cadence may change)."""
     cfg = {**cfg, "flow_lr_mult": cfg.get("flow_lr_mult", 1.0),  # checkpoints from before the fields existed
            "precision": cfg.get("precision", "auto"), "relay": cfg.get("relay", "ours"),
-           "flow_rounds": cfg.get("flow_rounds", 0)}
+           "flow_rounds": cfg.get("flow_rounds", 0), "train_part": cfg.get("train_part", "all")}
     return {k: v for k, v in cfg.items() if k not in ("steps", "eval_every", "ckpt_every", "threads", "eval_seqs", "states",
                                                       "device", "max_minutes", "max_shard_mb")}
 
@@ -383,17 +413,22 @@ def evaluate(obj: Objective, heldout: list[Sequence], cfg: TrainConfig) -> dict:
     if not heldout:
         return {}
     gen = torch.Generator().manual_seed(1234)
-    acc1, accs = [], []
+    acc1, accs, off = [], [], []
     obj.drafter.eval()
+    obj.measure_relay_off = True
     for i in range(0, min(len(heldout), cfg.eval_seqs), cfg.seqs_per_step):
-        _, first, second = obj(_collate(heldout[i:i + cfg.seqs_per_step], cfg.max_len), gen)
+        _, first, second = obj(collate(heldout[i:i + cfg.seqs_per_step], cfg.max_len), gen)
         acc1.append(first.accepted)
         if second is not None:
             accs.append([st.accepted for st in obj.flow_stats])
+            off.append(obj.flow_off_stats.accepted)
     obj.drafter.train()
+    obj.measure_relay_off = False
     out = {"tau_noflow": 1 + torch.cat(acc1).float().mean().item()}
     for r, acc in enumerate(zip(*accs)):  # flow rounds: tau_flow, then tau_flow2, ...
         out[f"tau_flow{r + 1 if r else ''}"] = 1 + torch.cat(acc).float().mean().item()
+    if off:  # the first flow round's blocks without flow: tau_flow - tau_flow_off is the relay's gain
+        out["tau_flow_off"] = 1 + torch.cat(off).float().mean().item()
     return out
 
 
@@ -454,7 +489,20 @@ def train(cfg: TrainConfig) -> Path:
     else:
         drafter.draft_vocab.copy_(_draft_vocab(train_seqs, cfg.draft_vocab_size, probe.info.vocab_size,
                                                probe.info.eos_token_ids))
-    obj = Objective(drafter, probe, cfg, _state_cache(cfg, probe, train_seqs + heldout, rank)).to(device)
+    flows = None
+    if cfg.train_part == "relay":  # the body stays as --init-from left it; its first rounds are cached
+        relay = set(drafter.relay_branch()) - {"no_flow"}  # no_flow stays 0: rounds without flow draft as the body does
+        for name, p in drafter.named_parameters():
+            p.requires_grad_(name.split(".")[0] in relay)
+        flows = FlowCache(flows_dir(Path(cfg.data_dir), drafter), probe, drafter, cfg.anchors_per_seq, cfg.max_len,
+                          cfg.seed, cfg.precision)
+        train_seqs, heldout = ([s for s in x if flows.covers(s.id)] for x in (train_seqs, heldout))
+        if not train_seqs:
+            raise UserError(f"the flows at {flows.dir} cover no training sequence; run `dflow-trt cache-flows` on "
+                            f"{cfg.data_dir} with this drafter")
+        if rank == 0:
+            print(f"relay only: {len(train_seqs)} training and {len(heldout)} held-out sequences have cached first rounds")
+    obj = Objective(drafter, probe, cfg, _state_cache(cfg, probe, train_seqs + heldout, rank), flows).to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     groups, lr_mults = _param_groups(drafter, params, cfg)
     opt = adamw(groups, cfg)
@@ -475,7 +523,7 @@ def train(cfg: TrainConfig) -> Path:
     while step < cfg.steps and not out_of_time:
         for g, mult in zip(opt.param_groups, lr_mults):
             g["lr"] = _lr_at(step, cfg, base) * mult
-        batch = _collate(rng.sample(mine, min(cfg.seqs_per_step, len(mine))), cfg.max_len)
+        batch = collate(rng.sample(mine, min(cfg.seqs_per_step, len(mine))), cfg.max_len)
         loss, first, second = model(batch, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
