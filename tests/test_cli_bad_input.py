@@ -150,6 +150,11 @@ def bad(tmp_path_factory, tiny_qwen3):
     (["bench", "decode", *T, "--device", "tpu"], "--device"),
     (["cache-states", *T, "--max-len", "0"], "--max-len"),
     (["cache-states", *T, "--num-taps", "0"], "--num-taps"),
+    (["cache-flows", *T, "--data-dir", "/tmp"], "--drafter"),
+    (["cache-flows", *T, "--drafter", "/nonexistent/d", "--anchors-per-seq", "0"], "--anchors-per-seq"),
+    (["cache-flows", *T, "--drafter", "/nonexistent/d", "--max-len", "0"], "--max-len"),
+    (["cache-flows", *T, "--drafter", "/nonexistent/d", "--precision", "fp16"], "--precision"),
+    (["train", *T, "--train-part", "body"], "--train-part"),
     (["fp8-check", *T, "--calib-prompts", "-3"], "--calib-prompts"),
     (["fp8-check", *T, "--check-prompts", "0"], "--check-prompts"),
     (["build", *T, "--tp-size", "0"], "--tp-size"),
@@ -315,6 +320,7 @@ def test_bench_outputs_checked_before_the_run(capsys, monkeypatch, tmp_path, bad
     (["train", *T], "--out-dir"),
     (["make-data", *T, "--num-prompts", "1"], "--data-dir"),
     (["cache-states", *T], "--data-dir"),
+    (["cache-flows", *T, "--drafter", "/nonexistent/d"], "--data-dir"),
     (["build", *T, "--no-fp8-check"], "--out"),
 ])
 def test_output_folders_checked_before_the_work(capsys, tmp_path, argv, flag, kind):
