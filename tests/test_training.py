@@ -561,6 +561,14 @@ def test_relay_trains_alone_on_cached_first_rounds(trained, data_dir, tiny_qwen3
     assert not after["no_flow"].any()  # rounds without flow draft exactly as the DFlash drafter
     assert body_fingerprint(load_drafter(out / "drafter", tiny_qwen3)) == body_fingerprint(src)
     _assert_dflow_lossless(tiny_qwen3, out / "drafter")
+    # the paper's relay trains alone on the same flows (its projection is the body's, so it stays)
+    r = _cli("train", *args, "--relay", "paper", "--flow-rounds", "1", "--out-dir", str(tmp_path / "paper"),
+             "--steps", "50")
+    assert r.returncode == 0, r.stderr[-3000:]
+    paper = load_file(tmp_path / "paper" / "drafter" / "model.safetensors")
+    assert {k for k in paper if not k.startswith("relay_mlp.")} == set(before)
+    assert all(torch.equal(paper[k], v) for k, v in before.items()) and paper["relay_mlp.2.weight"].abs().max() > 0
+    _assert_dflow_lossless(tiny_qwen3, tmp_path / "paper" / "drafter")
 
     # bad input: no --init-from; a body whose flows were not built; flows of another seed
     _error(_cli("train", *TRAIN, "--data-dir", str(data), "--objective", "dflow", "--train-part", "relay",

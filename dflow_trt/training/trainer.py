@@ -120,9 +120,9 @@ class TrainConfig:
             raise UserError("--relay and --flow-rounds apply to the flow rounds, which only --objective dflow has")
         if self.train_part not in ("all", "relay"):
             raise UserError(f"unknown --train-part {self.train_part!r}; use all or relay")
-        if self.train_part == "relay" and (self.objective != "dflow" or not self.init_from or self.flow_rounds > 1):
+        if self.train_part == "relay" and (self.objective != "dflow" or not self.init_from or flow_rounds(self) != 1):
             raise UserError("--train-part relay trains a DFlow relay on a frozen body: it needs --objective dflow, "
-                            "--init-from <the drafter whose body stays> and one flow round (--flow-rounds 0 or 1)")
+                            "--init-from <the drafter whose body stays> and one flow round (--flow-rounds 1)")
 
     @classmethod
     def from_file(cls, path: str, **overrides) -> "TrainConfig":
