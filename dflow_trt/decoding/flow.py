@@ -54,10 +54,11 @@ def right_align(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     return x.gather(1, src.view(B, T, *([1] * (x.dim() - 2))).expand_as(x))
 
 
-# How often a consistent hint (below) names the target's token: 52% on held-out prompts of the
-# training sources with the shipped DFlow drafter, where replaying decodes put the best trust at
-# 0.4-0.5 (`dflow-trt bench hints`, docs/hint_stats.json; never the eval sets). Also the confidence a
-# taken hint reports to the verify-length policy.
+# How often a consistent hint (below) names the target's token: 48% on held-out prompts of the
+# training sources with the shipped DFlow drafter (29% for its own drafts there), where replaying
+# decodes put the best trust at 0.5-0.6 (`dflow-trt bench hints`, docs/hint_stats.json; never the
+# eval sets; the previous drafter's: 52%, best at 0.4-0.5). Also the confidence a taken hint reports
+# to the verify-length policy.
 HINT_TRUST = 0.5
 
 
