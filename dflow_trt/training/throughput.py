@@ -131,7 +131,11 @@ def measure(overrides: dict | None = None, *, steps: int = 8, warmup: int = 2, t
     from ..targets import load_target
     from .data import load_dataset
     from .states import StateCache
-    from .trainer import Objective, _collate, _fits, untrained_config
+    from .trainer import Objective, _fits, untrained_config
+    try:
+        from .objective import collate
+    except ImportError:  # older trainers kept it in trainer.py
+        from .trainer import _collate as collate
 
     drafter_path, synthetic = drafter, not data_dir
     if steps < 1 or warmup < 0:
@@ -170,7 +174,7 @@ def measure(overrides: dict | None = None, *, steps: int = 8, warmup: int = 2, t
         rng, gen = random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed)
 
         def step():
-            batch = _collate(rng.sample(train_seqs, min(cfg.seqs_per_step, len(train_seqs))), cfg.max_len)
+            batch = collate(rng.sample(train_seqs, min(cfg.seqs_per_step, len(train_seqs))), cfg.max_len)
             loss, _, _ = obj(batch, gen)
             opt.zero_grad(set_to_none=True)
             loss.backward()
