@@ -452,7 +452,8 @@ def _add_bench(sub) -> None:
 
     t = add("training", cmd_bench_training, "the trainer's throughput per objective: blocks/s, tokens/s and the "
                                             "fraction of this CPU's matmul FLOP/s a step reaches")
-    t.add_argument("--objective", nargs="+", default=["dflash", "dflow"], choices=["dflash", "dflow"])
+    t.add_argument("--objective", nargs="+", default=["dflash", "dflow"], choices=["dflash", "dflow", "relay"],
+                   help="relay: DFlow's relay alone on --drafter's frozen body, first rounds cached (train --train-part relay)")
     t.add_argument("--steps", type=COUNT, default=8, help="timed trainer steps per objective")
     t.add_argument("--warmup", type=START, default=2, help="untimed steps first")
     t.add_argument("--threads", type=THREADS, default=None)

@@ -163,3 +163,29 @@ def test_benchmark_measures_and_writes_json(tiny_qwen3, tmp_path, capsys):
     assert "blocks/s" in capsys.readouterr().out
     assert main(["bench", "training", "--set", "oops"]) == 2
     assert "--set takes KEY=VALUE" in capsys.readouterr().err
+
+def test_benchmark_measures_relay_only_steps(tiny_qwen3, tmp_path, capsys):
+    """`--objective relay`: the relay alone on a saved DFlash drafter's frozen body, its first rounds
+    cached first (their one-off cost reported per sequence); a step trains the flow round's blocks
+    only, with no target pass, so it costs about what a DFlash step does."""
+    from dflow_trt.cli import main
+    from dflow_trt.drafter.defaults import untrained_config
+    from dflow_trt.drafter.io import build_drafter, save_drafter
+
+    cfg = untrained_config(tiny_qwen3, flow=False, block_size=4, num_layers=1)
+    src = save_drafter(build_drafter(tiny_qwen3, type(cfg)(**{**cfg.__dict__, "draft_vocab_size": 64}), seed=0),
+                       tmp_path / "dflash")
+    out = tmp_path / "bench.json"
+    sets = ["target=\"tiny-qwen3\"", "block_size=4", "anchors_per_seq=4", "draft_vocab_size=64"]
+    rc = main(["bench", "training", "--objective", "dflash", "relay", "--drafter", str(src), "--steps", "2",
+               "--warmup", "0", "--threads", "1", "--data-dir", str(tmp_path / "data"), "--json-out", str(out),
+               "--no-peak", "--set", *sets])
+    assert rc == 0
+    dflash, relay = json.loads(out.read_text())["results"]
+    assert relay["objective"] == "dflow relay-only" and relay["flows_s_per_seq"] > 0
+    assert relay["trained_blocks_per_s"] == pytest.approx(relay["blocks_per_s"])  # the flow round only
+    assert 0 < relay["flops_per_step"] < 2 * dflash["flops_per_step"]  # no target pass in the step
+    assert not list((tmp_path / "data").glob("flows-*"))  # the flows went to a temporary folder
+    capsys.readouterr()
+    assert main(["bench", "training", "--objective", "relay", "--set", *sets]) == 2
+    assert "pass --drafter" in capsys.readouterr().err

@@ -34,7 +34,8 @@ def parse_overrides(pairs: list[str]) -> dict:
 def run(objectives=("dflash", "dflow"), steps: int = 8, warmup: int = 2, threads: int | None = None,
         data_dir: str | None = None, overrides: dict | None = None, peak: bool = True,
         json_out: str | None = None, drafter: str | None = None) -> int:
-    rows = [measure({**(overrides or {}), "objective": o}, steps=steps, warmup=warmup, threads=threads,
+    rows = [measure({**(overrides or {}), **({"objective": "dflow", "train_part": "relay"} if o == "relay" else
+                                             {"objective": o})}, steps=steps, warmup=warmup, threads=threads,
                     data_dir=data_dir, drafter=drafter, peak=peak) for o in objectives]
 
     def g(r, k):

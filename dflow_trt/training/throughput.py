@@ -126,6 +126,8 @@ def measure(overrides: dict | None = None, *, steps: int = 8, warmup: int = 2, t
     fraction, and the settings. `data_dir`: a data set with a state cache (default: a synthetic
     one in a temporary folder). `drafter`: start from a saved drafter's weights (a trained one
     accepts more drafts, which DFlow's self-conditioning pass skips; sizes come from it).
+    `train_part="relay"` (DFlow): the relay alone on `drafter`'s frozen body, its first rounds
+    cached once beforehand by `cache-flows`' code (that one-off cost: flows_s_per_seq).
     """
     from ..drafter.io import build_drafter, load_drafter
     from ..targets import load_target
@@ -140,11 +142,17 @@ def measure(overrides: dict | None = None, *, steps: int = 8, warmup: int = 2, t
     drafter_path, synthetic = drafter, not data_dir
     if steps < 1 or warmup < 0:
         raise UserError(f"--steps must be >= 1 and --warmup >= 0, got {steps} and {warmup}")
-    cfg = _config(overrides or {})
+    overrides = dict(overrides or {})
+    if overrides.get("train_part") == "relay":
+        if drafter is None:
+            raise UserError("train_part=relay trains the relay on a saved drafter's frozen body; pass --drafter")
+        overrides["init_from"] = str(drafter)
+    cfg = _config(overrides)
     if threads:
         torch.set_num_threads(threads)
     target = load_target(cfg.target, num_taps=cfg.num_taps)
-    need_kv = cfg.objective == "dflow"
+    relay = getattr(cfg, "train_part", "all") == "relay"
+    need_kv = cfg.objective == "dflow" and not relay
     with tempfile.TemporaryDirectory(prefix="dflow-throughput-") as tmp:
         data = Path(data_dir) if data_dir else Path(tmp) / "data"
         if not (data / "manifest.json").is_file():  # a new folder: the synthetic data set, kept there
@@ -154,7 +162,24 @@ def measure(overrides: dict | None = None, *, steps: int = 8, warmup: int = 2, t
         if why is not None:
             raise UserError(f"{data} has no usable state cache ({why}); run `dflow-trt cache-states` on it")
         cache = StateCache(data, target, need_kv)
-        if drafter is not None:
+        flows, flows_s = None, None
+        if relay:  # a DFlow drafter on the saved one's body (a DFlash one gets a silent relay), first rounds cached
+            from .flows import FlowCache, build_flows, flows_dir
+            from .trainer import _init_from, compute_dtype, freeze_body
+
+            dcfg = untrained_config(target, flow=True, block_size=cfg.block_size, num_layers=cfg.num_layers)
+            drafter = build_drafter(target, dataclasses.replace(dcfg, draft_vocab_size=cfg.draft_vocab_size,
+                                                                relay=cfg.relay), seed=cfg.seed)
+            _init_from(str(drafter_path), target, drafter, dataclasses.replace(cfg, steps=2**62))
+            freeze_body(drafter)
+            train_seqs = train_seqs[:32]  # enough to sample steps from; built in the temporary folder
+            t0 = time.perf_counter()
+            build_flows(target, drafter, Path(tmp), train_seqs, cfg.anchors_per_seq, cfg.max_len, seed=cfg.seed,
+                        compute_dtype=compute_dtype(cfg.precision), precision=cfg.precision)
+            flows_s = (time.perf_counter() - t0) / len(train_seqs)
+            flows = FlowCache(flows_dir(Path(tmp), drafter), target, drafter, cfg.anchors_per_seq, cfg.max_len, cfg.seed,
+                              cfg.precision)
+        elif drafter is not None:
             drafter = load_drafter(drafter, target)
             if drafter.config.flow != need_kv or drafter.config.block_size != cfg.block_size:
                 raise UserError(f"--drafter is a {'dflow' if drafter.config.flow else 'dflash'} drafter of block size "
@@ -163,7 +188,7 @@ def measure(overrides: dict | None = None, *, steps: int = 8, warmup: int = 2, t
             dcfg = untrained_config(target, flow=need_kv, block_size=cfg.block_size, num_layers=cfg.num_layers)
             drafter = build_drafter(target, dataclasses.replace(dcfg, draft_vocab_size=cfg.draft_vocab_size),
                                     seed=cfg.seed)
-        obj = Objective(drafter, target, cfg, cache)
+        obj = Objective(drafter, target, cfg, cache, flows) if relay else Objective(drafter, target, cfg, cache)
         params = [p for p in drafter.parameters() if p.requires_grad]
         try:  # the trainer's own optimizer where it has one (older trainers built it inline)
             from .trainer import adamw
@@ -199,10 +224,10 @@ def measure(overrides: dict | None = None, *, steps: int = 8, warmup: int = 2, t
             flops_per_step = fc.get_total_flops()
     N, nb, S = cfg.seqs_per_step, cfg.anchors_per_seq, cfg.block_size
     blocks = N * nb
-    trained = blocks + (N * min(cfg.flow_anchors_per_seq or nb, nb) if need_kv else 0)
+    trained = blocks if relay else blocks + (N * min(cfg.flow_anchors_per_seq or nb, nb) if need_kv else 0)
     total = sum(times)
     dtype = getattr(obj, "compute_dtype", torch.float32)
-    res = {"objective": cfg.objective, "drafter": str(drafter_path) if drafter_path else "untrained",
+    res = {"objective": cfg.objective + (" relay-only" if relay else ""), "drafter": str(drafter_path) if drafter_path else "untrained",
            "data": "synthetic" if synthetic else str(data), "config": {k: getattr(cfg, k) for k in SHIPPED | (overrides or {})
                                                   if hasattr(cfg, k)},
            "threads": torch.get_num_threads(), "steps": steps, "seq_len_median": statistics.median(T),
@@ -210,6 +235,8 @@ def measure(overrides: dict | None = None, *, steps: int = 8, warmup: int = 2, t
            "trained_blocks_per_s": trained * steps / total, "tokens_per_s": trained * (S - 1) * steps / total,
            "compute_dtype": str(dtype).replace("torch.", ""), "native_bf16": native_bf16(),
            "loss_last": loss.item()}
+    if flows_s is not None:
+        res["flows_s_per_seq"] = flows_s
     if flops_per_step is not None:
         res.update(flops_per_step=flops_per_step, achieved_flops=flops_per_step * steps / total)
     if peak:

@@ -432,6 +432,14 @@ def evaluate(obj: Objective, heldout: list[Sequence], cfg: TrainConfig) -> dict:
     return out
 
 
+def freeze_body(drafter: DFlowDrafter) -> None:
+    """`--train-part relay`: only the relay branch trains; `no_flow` stays 0 too, so rounds without
+    flow draft exactly as the body does."""
+    relay = set(drafter.relay_branch()) - {"no_flow"}
+    for name, p in drafter.named_parameters():
+        p.requires_grad_(name.split(".")[0] in relay)
+
+
 def _on_gpu(device: str) -> bool:
     """One GPU per process (NCCL refuses two ranks on one GPU); with fewer GPUs than processes, CPU +
     gloo, unless `device` is cuda, which is then refused rather than quietly run on the CPU."""
@@ -491,9 +499,7 @@ def train(cfg: TrainConfig) -> Path:
                                                probe.info.eos_token_ids))
     flows = None
     if cfg.train_part == "relay":  # the body stays as --init-from left it; its first rounds are cached
-        relay = set(drafter.relay_branch()) - {"no_flow"}  # no_flow stays 0: rounds without flow draft as the body does
-        for name, p in drafter.named_parameters():
-            p.requires_grad_(name.split(".")[0] in relay)
+        freeze_body(drafter)
         flows = FlowCache(flows_dir(Path(cfg.data_dir), drafter), probe, drafter, cfg.anchors_per_seq, cfg.max_len,
                           cfg.seed, cfg.precision)
         train_seqs, heldout = ([s for s in x if flows.covers(s.id)] for x in (train_seqs, heldout))
