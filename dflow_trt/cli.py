@@ -271,11 +271,10 @@ def cmd_cache_flows(a: argparse.Namespace) -> int:
     from .targets import load_target
     from .training.data import load_dataset
     from .training.flows import build_flows
-    from .training.trainer import _fits, compute_dtype
+    from .training.trainer import _fits, check_precision, compute_dtype
 
     check_output(a.data_dir, "data folder (--data-dir)", folder=True)
-    if a.precision not in ("auto", "fp32", "bf16"):
-        raise UserError(f"unknown --precision {a.precision!r}; use auto, fp32 or bf16")
+    check_precision(a.precision)
     if a.threads:
         import torch
 

@@ -106,8 +106,7 @@ class TrainConfig:
         self._check_types_and_ranges()
         if self.objective not in ("dflash", "dflow"):
             raise UserError(f"unknown objective {self.objective!r}; use dflash or dflow")
-        if self.precision not in ("auto", "fp32", "bf16"):
-            raise UserError(f"unknown precision {self.precision!r}; use auto, fp32 or bf16")
+        check_precision(self.precision)
         if self.device not in ("auto", "cpu", "cuda"):
             raise UserError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.states not in ("auto", "off"):
@@ -230,6 +229,16 @@ class Objective(nn.Module):
 def flow_rounds(cfg: TrainConfig) -> int:
     """Reject-conditioned rounds a DFlow step unrolls (`--flow-rounds`, 0: the relay's own)."""
     return getattr(cfg, "flow_rounds", 0) or (2 if getattr(cfg, "relay", "ours") == "paper" else 1)
+
+
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def check_precision(precision: str) -> str:
+    """`--precision` as the trainer and `cache-flows` take it (one message for both)."""
+    if precision not in PRECISIONS:
+        raise UserError(f"unknown --precision {precision!r}; use {', '.join(PRECISIONS[:-1])} or {PRECISIONS[-1]}")
+    return precision
 
 
 def compute_dtype(precision: str) -> torch.dtype:
