@@ -34,8 +34,9 @@ note = {"relay": "silent",
                "left held-out teacher-forced flow-round tau below the same blocks without flow: ours 1.787 vs "
                "1.872, the paper's 1.870 vs 1.872 (docs/history/2026-12-07-relay.md)",
         "weights": f"the DFlash drafter's, trained {base} steps (training_config.json, train_log.jsonl); relay zero"}
-save_drafter(drafter, out, extra_files={"training_config.json": read("training_config.json"),
-                                        "train_log.jsonl": read("train_log.jsonl"),
-                                        "data_manifest.json": read("data_manifest.json"),
-                                        "relay.json": json.dumps(note, indent=1) + "\n"})
+files = {"training_config.json": read("training_config.json"), "train_log.jsonl": read("train_log.jsonl"),
+         "data_manifest.json": read("data_manifest.json"), "relay.json": json.dumps(note, indent=1) + "\n"}
+if (src_dir / "earlier_stages.json").is_file():  # a fine-tuned body: the stages before it (its lineage)
+    files["earlier_stages.json"] = read("earlier_stages.json")
+save_drafter(drafter, out, extra_files=files)
 print(out)
