@@ -54,10 +54,10 @@ def right_align(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     return x.gather(1, src.view(B, T, *([1] * (x.dim() - 2))).expand_as(x))
 
 
-# How often a consistent hint (below) names the target's token: 48% on held-out prompts of the
-# training sources with the shipped DFlow drafter (29% for its own drafts there), where replaying
-# decodes put the best trust at 0.5-0.6 (`dflow-trt bench hints`, docs/hint_stats.json; never the
-# eval sets; the previous drafter's: 52%, best at 0.4-0.5). Also the confidence a taken hint reports
+# How often a consistent hint (below) names the target's token: 52% on held-out prompts of the
+# training sources with the shipped DFlow drafter (36% for its own drafts there); replayed decodes
+# give 0.5 within 0.004 tau of the best trust, 0.6-0.7 (`dflow-trt bench hints`, docs/hint_stats.json;
+# never the eval sets; earlier drafters: best at 0.4-0.6). Also the confidence a taken hint reports
 # to the verify-length policy.
 HINT_TRUST = 0.5
 
