@@ -1,6 +1,10 @@
 """Paired per prompt: a new bench JSON against the shipped drafters' (same prompts), and DFlow/DFlash."""
-import json, statistics as st, sys
-new, old = (json.load(open(p)) for p in sys.argv[1:3])
+import json
+import statistics as st
+import sys
+from pathlib import Path
+
+new, old = (json.loads(Path(p).read_text()) for p in sys.argv[1:3])
 se = lambda xs: st.stdev(xs) / len(xs) ** .5
 for ds in ("humaneval", "mtbench"):
     n, o = new["datasets"][ds]["modes"], old["datasets"][ds]["modes"]
