@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from dflow_trt.drafter import train_log
+
 SOURCES = ("data/smollm2-135m-p7658", "data/smollm2-135m-p5376")  # prompts the shipped drafters never saw
 DATA = "runs/capacity/data"
 RUNS = "runs/capacity"
@@ -79,7 +81,7 @@ def cmd_probe(a) -> None:
         out = f"{RUNS}/probe-{arm}"
         shutil.rmtree(out, ignore_errors=True)
         train(replace(train_config(arm, a.steps, out=out), eval_every=10**6))
-        log = [json.loads(x) for x in Path(f"{out}/drafter/train_log.jsonl").read_text().splitlines()]
+        log = train_log.read(f"{out}/drafter")
         s = (log[-1]["elapsed_s"] - log[1]["elapsed_s"]) / (len(log) - 2)  # the first step loads and warms up
         print(json.dumps({"arm": arm, "sec_per_step": round(s, 3)}), flush=True)
 
@@ -160,7 +162,7 @@ def cmd_eval(a) -> None:
                            "teacher_forced": True, "greedy": True, "block_size": 16},
               "arms": {}, "heldout": _evaluate_all(target, drafters, sets, cfg, "l1")}
     for arm in arms:
-        log = [json.loads(x) for x in Path(f"{RUNS}/{arm}/drafter/train_log.jsonl").read_text().splitlines()]
+        log = train_log.read(f"{RUNS}/{arm}/drafter")
         tcfg = json.loads(Path(f"{RUNS}/{arm}/drafter/training_config.json").read_text())
         report["arms"][arm] = {"change": ARMS[arm], "steps": log[-1]["step"], "scheduled_steps": tcfg["steps"],
                                "wall_s": round(log[-1]["elapsed_s"], 1),

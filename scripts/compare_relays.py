@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from dflow_trt.drafter import train_log
+
 DATA = "data/smollm2-135m-p5376"
 START = "dflow_trt/drafters/smollm2-135m-dflash"
 SHIPPED = "dflow_trt/drafters/smollm2-135m-dflow"
@@ -83,7 +85,7 @@ def cmd_eval(a) -> None:
                                                           "s": round(time.perf_counter() - t0, 1)}
             print(relay, name, report["teacher_forced"][f"{relay}-{name}"], flush=True)
         drafters[f"dflow-{relay}"] = final
-        log = [json.loads(x) for x in Path(f"{run}/drafter/train_log.jsonl").read_text().splitlines()]
+        log = train_log.read(f"{run}/drafter")
         mine = [r for r in log if r["step"] > BASE]
         report[f"train_{relay}"] = {"steps": len(mine), "wall_s": round(sum(
             r["elapsed_s"] - p["elapsed_s"] for p, r in zip(mine, mine[1:])) + mine[0]["elapsed_s"], 1),

@@ -9,6 +9,7 @@ import torch
 
 from dflow_trt.benchmarks import report
 from dflow_trt.cli import main
+from dflow_trt.drafter import train_log
 from test_cli_bad_input import refused
 
 T = ["--target", "tiny-qwen3"]
@@ -146,6 +147,15 @@ def test_training_tau(capsys, tmp_path):
     png = tmp_path / "tau.png"
     bench(capsys, "training-tau", run, "--plot-out", png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the compressed form (the shipped drafters' logs) reads as the same records
+    rows = train_log.read(run)
+    packed = tmp_path / "packed"
+    train_log.write(packed, rows, compress=True)
+    assert [p.name for p in packed.iterdir()] == ["train_log.jsonl.gz"] and train_log.read(packed) == rows
+    bench(capsys, "training-tau", packed, "--plot-out", tmp_path / "packed.png")
+    assert (tmp_path / "packed.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (packed / "train_log.jsonl.gz").write_bytes(b"\x1f\x8b not gzip")
+    refused(capsys, ["bench", "training-tau", packed, "--plot-out", tmp_path / "bad.png"], "not a readable gzip")
     (run / "train_log.jsonl").write_text('{"step": 1}\n{not json\n')
     refused(capsys, ["bench", "training-tau", run, "--plot-out", tmp_path / "bad.png"], "train_log.jsonl:2")
     refused(capsys, ["bench", "training-tau", tmp_path, "--plot-out", tmp_path / "bad.png"], "no train_log.jsonl")

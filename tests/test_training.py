@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from conftest import chat_ids, run_cli as _cli
 from dflow_trt.decoding.loop import generate
 from dflow_trt.decoding.options import DecodeOptions
+from dflow_trt.drafter import train_log
 from dflow_trt.drafter.io import load_drafter
 from dflow_trt.drafter.runtime import TorchDrafter
 from dflow_trt.targets import load_target
@@ -424,6 +425,12 @@ def test_dflash_drafter_starts_a_dflow_run_unchanged(trained, data_dir, tiny_qwe
     up = build_drafter(tiny_qwen3, cfg, seed=1)
     log, base = _init_from(str(src_dir), tiny_qwen3, up, TrainConfig(objective="dflow", steps=50))
     assert base == 40 and log == _log(trained["dflash"])
+    packed = tmp_path / "packed"  # a shipped drafter keeps its log compressed: the same lineage
+    shutil.copytree(src_dir, packed)
+    train_log.write(packed, log, compress=True)
+    assert not (packed / "train_log.jsonl").exists()
+    assert _init_from(str(packed), tiny_qwen3, build_drafter(tiny_qwen3, cfg, seed=1),
+                      TrainConfig(objective="dflow", steps=50)) == (log, base)
     taps, block, g = _probe_inputs(cfg.feature_size)
     flow = FlowState(taps=torch.randn(2, 4, cfg.feature_size, generator=g), token_ids=block.flip(1),
                      hint_ids=block, valid=torch.tensor([[True, True, True, False], [True, False, False, False]]))

@@ -1,4 +1,4 @@
-"""`dflow-trt bench training-tau`: τ against training steps for drafters' train_log.jsonl (held-out,
+"""`dflow-trt bench training-tau`: τ against training steps for drafters' training logs (held-out,
 teacher-forced), as a PNG: how a run's drafters learned, without decoding anything."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from ..atomic import atomic_file
+from ..drafter import train_log
 from ..errors import UserError
 
 SHIPPED = ("smollm2-135m-dflash", "smollm2-135m-dflow")
@@ -17,17 +18,7 @@ def shipped_drafters() -> list[Path]:
 
 
 def _log(folder: Path) -> list[dict]:
-    path = folder / "train_log.jsonl"
-    if not path.is_file():
-        raise UserError(f"{folder} has no train_log.jsonl; pass a drafter folder written by `dflow-trt train`")
-    rows = []
-    for i, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise UserError(f"{path}:{i} is not JSON; pass a log written by `dflow-trt train`") from None
-    return rows
+    return train_log.read(folder)
 
 
 def run(drafters: list[str] | None = None, plot_out: str = "docs/training_tau.png") -> int:

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from ..atomic import write_bytes, write_text
+from ..drafter import train_log
 from ..drafter.io import weight_files
 from ..errors import UserError
 from ..flags import COUNT, Parser, number
@@ -189,7 +190,7 @@ def collect(run_dir: Path, out: Path, inputs: Path, settings: dict) -> dict:
         files = [src / "config.json", *weight_files(src)]
         for f in files:
             shutil.copyfile(f, dst / f.name)
-        log = [json.loads(x) for x in (src / "train_log.jsonl").read_text().splitlines() if x.strip()]
+        log = train_log.read(src)
         evals = [r for r in log if any(k.startswith("eval_") for k in r)]
         summary["drafters"][obj] = {
             "files": {f.name: {"bytes": f.stat().st_size, "sha256": file_sha256(f)} for f in files},
@@ -221,7 +222,7 @@ def unpack(src: Path, dest: Path) -> list[Path]:
         lin = rec["lineage"]
         write_text(d / "training_config.json", json.dumps(lin["training_config.json"], indent=2) + "\n")
         write_text(d / "data_manifest.json", json.dumps(lin["data_manifest.json"], indent=1))
-        write_text(d / "train_log.jsonl", "".join(json.dumps(r) + "\n" for r in lin["train_log.jsonl"]))
+        train_log.write(d, lin["train_log.jsonl"])
         shutil.copyfile(src / "recipe.json", d / "recipe.json")
         made.append(d)
     return made

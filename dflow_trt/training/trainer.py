@@ -25,6 +25,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..atomic import atomic_file, claim_dir
+from ..drafter import train_log
 from ..drafter.defaults import untrained_config
 from ..drafter.io import build_drafter, load_drafter, save_drafter, shard_groups
 from ..drafter.model import DFlowDrafter
@@ -32,9 +33,19 @@ from ..errors import UserError
 from ..targets import load_target
 from ..targets.hf_target import HFTarget
 from .data import Sequence, load_dataset
-from .objective import (Batch, BlockStats, _labels, block_loss, collate, drafter_blocks, drafter_context, sample_anchors,
-                        target_states, verifier_flow)
 from .flows import FlowCache, flows_dir
+from .objective import (
+    Batch,
+    BlockStats,
+    _labels,
+    block_loss,
+    collate,
+    drafter_blocks,
+    drafter_context,
+    sample_anchors,
+    target_states,
+    verifier_flow,
+)
 from .states import StateCache
 
 
@@ -355,8 +366,7 @@ def _init_from(path: str, target: HFTarget, drafter: DFlowDrafter, cfg: TrainCon
         drafter.silence_flow()
     if grow:
         drafter.silence_layers(src.config.num_layers)
-    log_file = Path(path) / "train_log.jsonl"
-    log = [json.loads(line) for line in log_file.read_text().splitlines() if line] if log_file.is_file() else []
+    log = train_log.read(path, required=False)
     base = log[-1]["step"] if log else 0
     if cfg.steps <= base:
         raise UserError(f"--init-from {path} has trained {base} steps already; --steps counts on from there, "
@@ -568,7 +578,7 @@ def train(cfg: TrainConfig) -> Path:
     bar.close()
     final = out / "drafter"
     if rank == 0:
-        logtxt = "\n".join(json.dumps(r) for r in log) + "\n"
+        logtxt = train_log.to_text(log)
         files = {"training_config.json": json.dumps(asdict(cfg), indent=2) + "\n", "train_log.jsonl": logtxt,
                  "data_manifest.json": (Path(cfg.data_dir) / "manifest.json").read_text()}
         if cfg.init_from:

@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from dflow_trt.drafter import train_log
 from dflow_trt.drafter.defaults import untrained_config
 from dflow_trt.drafter.io import build_drafter, load_drafter, save_drafter
 from dflow_trt.targets import load_target
@@ -34,7 +35,7 @@ note = {"relay": "silent",
                "left held-out teacher-forced flow-round tau below the same blocks without flow: ours 1.787 vs "
                "1.872, the paper's 1.870 vs 1.872 (docs/history/2026-12-07-relay.md)",
         "weights": f"the DFlash drafter's, trained {base} steps (training_config.json, train_log.jsonl); relay zero"}
-files = {"training_config.json": read("training_config.json"), "train_log.jsonl": read("train_log.jsonl"),
+files = {"training_config.json": read("training_config.json"), "train_log.jsonl": train_log.to_text(log),
          "data_manifest.json": read("data_manifest.json"), "relay.json": json.dumps(note, indent=1) + "\n"}
 if (src_dir / "earlier_stages.json").is_file():  # a fine-tuned body: the stages before it (its lineage)
     files["earlier_stages.json"] = read("earlier_stages.json")
