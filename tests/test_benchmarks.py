@@ -162,6 +162,36 @@ def test_training_tau(capsys, tmp_path):
     assert not (tmp_path / "bad.png").exists()
 
 
+def test_training_tau_compute_fit_and_own_pace(capsys, tmp_path):
+    """τ against compute: a log-linear curve over two decades is fitted back to its slope, and the
+    hours to a target come from the lineage's own pace, its wall time summed over two stages (each
+    stage's clock restarts at 0; a resumed run's log would otherwise count the first stage twice)."""
+    import math
+
+    tp = tmp_path / "tp.json"
+    tp.write_text(json.dumps({"summary": {"new/dflash": {"flops_per_step": 1e9, "achieved_flops": 1e10},
+                                          "new_real/dflow": {"flops_per_step": 3e9, "achieved_flops": 1e10}}}))
+    rows, evals = [], {round(10 ** (k / 10)) for k in range(10, 34)}  # log-spaced: 10 to 1995
+    for step in range(1, 2001):
+        elapsed = 0.5 * step if step <= 1000 else 0.25 * (step - 1000)  # stage 2: a new clock, twice as fast
+        r = {"step": step, "loss": 1.0, "elapsed_s": elapsed}
+        if step in evals:
+            r["eval_tau_noflow"] = 1.0 + 0.3 * math.log10(step)
+        rows.append(r)
+    run = tmp_path / "lineage"
+    train_log.write(run, rows, compress=True)
+    out = tmp_path / "c.png"
+    printed = bench(capsys, "training-tau", "--compute", "--throughput", tp, "--compute-out", out, run)
+    fit = json.loads(out.with_suffix(".json").read_text())["fits"]["lineage: no flow"]  # from logs, no machine
+    wall = 0.5 * 1000 + 0.25 * 1000
+    assert fit["tau_per_decade"] == pytest.approx(0.3, rel=1e-3) and fit["train_hours"] == pytest.approx(wall / 3600)
+    need = 10 ** ((2.5 - 1.0) / 0.3) * 1e9  # FLOPs at τ 2.5: step 10^5 at 1e9 a step
+    assert fit["tau_2.5"]["flops"] == pytest.approx(need, rel=1e-2)
+    assert fit["tau_2.5"]["hours_at_own_pace"] == pytest.approx(need / (2000 * 1e9 / wall) / 3600, rel=1e-2)
+    assert fit["tau_2.5"]["cpu_hours_here"] == pytest.approx(need / 1e10 / 3600, rel=1e-2)
+    assert "h at its own pace" in printed and out.read_bytes()[:4] == b"\x89PNG"
+
+
 @pytest.mark.parametrize("argv,needles", [
     (["kv", *T, "--contexts", "8,x"], ["--contexts"]),
     (["kv", *T, "--contexts", "8,,16"], ["--contexts"]),

@@ -72,8 +72,9 @@ def compute_curve(drafters: list[str] | None = None, throughput: str = "docs/tra
     points are warm-up) and the compute it puts at each τ target.
 
     A step's FLOPs are the trainer's own count at the shipped size (`dflow-trt bench training`,
-    FlopCounterMode), DFlash or DFlow by whether the step logged a flow round; the time figures use
-    this CPU's measured FLOP/s from the same file. τ here is teacher-forced on held-out training
+    FlopCounterMode), DFlash or DFlow by whether the step logged a flow round. Time: at the
+    lineage's own pace (its FLOPs over its logged wall time, summed over stages), and at this CPU's
+    FLOP/s measured by that benchmark (`cpu_hours_here`, a figure from one run of it). τ here is teacher-forced on held-out training
     sources: decoding HumanEval/MT-Bench gives less (README), so read the targets as lower bounds."""
     import math
 
@@ -91,9 +92,13 @@ def compute_curve(drafters: list[str] | None = None, throughput: str = "docs/tra
     cpu_rate = {o: float(v["achieved_flops"]) for o, v in per.items()}
     curves, fits = {}, {}
     for d, log in logs.items():
-        total, pts = 0.0, {"no flow": [], "with verifier flow": []}
+        total, wall, prev, pts = 0.0, 0.0, None, {"no flow": [], "with verifier flow": []}
         for r in log:
             total += flops["dflow" if "train_tau_flow" in r else "dflash"]
+            e = r.get("elapsed_s")
+            if isinstance(e, (int, float)):  # each stage (process) restarts its clock at 0
+                wall += e - prev if prev is not None and e >= prev else e
+                prev = e
             if "eval_tau_noflow" in r:
                 pts["no flow"].append((total, r["eval_tau_noflow"]))
             if "eval_tau_flow" in r:
@@ -109,14 +114,16 @@ def compute_curve(drafters: list[str] | None = None, throughput: str = "docs/tra
             x, y = np.log10([p[0] for p in tail]), np.array([p[1] for p in tail])
             b, a = np.polyfit(x, y, 1)  # τ ≈ a + b log10(FLOPs)
             resid = y - (a + b * x)
+            own = total / wall if wall > 0 else None  # this lineage's own pace, on whatever machines it ran
             fit = {"tau_per_decade": float(b), "intercept": float(a), "fit_points": len(tail),
                    "residual_sd": float(resid.std(ddof=2)) if len(tail) > 2 else None,
-                   "flops_so_far": total, "tau_last": xy[-1][1]}
+                   "flops_so_far": total, "tau_last": xy[-1][1], "train_hours": wall / 3600, "own_flops_per_s": own}
             obj = "dflow" if "flow" in kind and "no flow" not in kind else "dflash"
             for t in targets:
                 need = 10 ** ((t - a) / b) if b > 0 else math.inf
                 fit[f"tau_{t:g}"] = {"flops": need, "times_so_far": need / total,
                                      "cpu_hours_here": need / cpu_rate[obj] / 3600,
+                                     "hours_at_own_pace": need / own / 3600 if own else None,
                                      "h100_hours": need / (H100_BF16_FLOPS * H100_FRACTION) / 3600}
             fits[name] = fit
     import matplotlib
@@ -152,7 +159,8 @@ def compute_curve(drafters: list[str] | None = None, throughput: str = "docs/tra
                                          "curves": {k: [[x, y] for x, y in v] for k, v in curves.items()}}, indent=1))
     for name, f in fits.items():
         got = ", ".join(f"τ {t:g}: {f[f'tau_{t:g}']['times_so_far']:.3g}× so far "
-                        f"({f[f'tau_{t:g}']['h100_hours']:.2g} H100-h)" for t in targets)
+                        f"({f[f'tau_{t:g}']['h100_hours']:.2g} H100-h, "
+                        f"{f[f'tau_{t:g}']['hours_at_own_pace'] or math.nan:.3g} h at its own pace)" for t in targets)
         print(f"{name}: +{f['tau_per_decade']:.3f} τ per decade of compute; {got}")
     print(plot_out, json_out)
     return 0
