@@ -87,8 +87,7 @@ def cmd_eval(a) -> None:
         drafters[f"dflow-{relay}"] = final
         log = train_log.read(f"{run}/drafter")
         mine = [r for r in log if r["step"] > BASE]
-        report[f"train_{relay}"] = {"steps": len(mine), "wall_s": round(sum(
-            r["elapsed_s"] - p["elapsed_s"] for p, r in zip(mine, mine[1:])) + mine[0]["elapsed_s"], 1),
+        report[f"train_{relay}"] = {"steps": len(mine), "wall_s": round(train_log.wall_seconds(mine), 1),
             "loss_first10": sum(r["loss"] for r in mine[:10]) / 10, "loss_last10": sum(r["loss"] for r in mine[-10:]) / 10}
     drafters = {"dflash-start": load_drafter(START, target), **drafters}
     if a.with_shipped:  # the shipped DFlow drafter (its own lineage and data; hints off like the others)

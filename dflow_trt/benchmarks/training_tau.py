@@ -17,13 +17,9 @@ def shipped_drafters() -> list[Path]:
     return [Path(__file__).resolve().parent.parent / "drafters" / name for name in SHIPPED]
 
 
-def _log(folder: Path) -> list[dict]:
-    return train_log.read(folder)
-
-
 def run(drafters: list[str] | None = None, plot_out: str = "docs/training_tau.png") -> int:
     folders = [Path(d) for d in drafters] if drafters else shipped_drafters()
-    logs = {d: _log(d) for d in folders}  # every log read before the plot starts
+    logs = {d: train_log.read(d) for d in folders}  # every log read before the plot starts
     import matplotlib
 
     matplotlib.use("Agg")
@@ -81,7 +77,7 @@ def compute_curve(drafters: list[str] | None = None, throughput: str = "docs/tra
     import numpy as np
 
     folders = [Path(d) for d in drafters] if drafters else shipped_drafters()
-    logs = {d: _log(d) for d in folders}
+    logs = {d: train_log.read(d) for d in folders}
     try:
         summary = json.loads(Path(throughput).read_text())["summary"]
         per = {o: summary[k] for o, k in (("dflash", "new/dflash"), ("dflow", "new_real/dflow"))}
@@ -92,13 +88,9 @@ def compute_curve(drafters: list[str] | None = None, throughput: str = "docs/tra
     cpu_rate = {o: float(v["achieved_flops"]) for o, v in per.items()}
     curves, fits = {}, {}
     for d, log in logs.items():
-        total, wall, prev, pts = 0.0, 0.0, None, {"no flow": [], "with verifier flow": []}
+        total, wall, pts = 0.0, train_log.wall_seconds(log), {"no flow": [], "with verifier flow": []}
         for r in log:
             total += flops["dflow" if "train_tau_flow" in r else "dflash"]
-            e = r.get("elapsed_s")
-            if isinstance(e, (int, float)):  # each stage (process) restarts its clock at 0
-                wall += e - prev if prev is not None and e >= prev else e
-                prev = e
             if "eval_tau_noflow" in r:
                 pts["no flow"].append((total, r["eval_tau_noflow"]))
             if "eval_tau_flow" in r:

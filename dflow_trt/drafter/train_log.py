@@ -42,10 +42,12 @@ def read(folder: str | Path, required: bool = True) -> list[dict]:
         if not required:
             return []
         raise UserError(f"{folder} has no {NAME}; pass a drafter folder written by `dflow-trt train`")
-    try:
-        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    except (OSError, EOFError, zlib.error) as e:
-        raise UserError(f"{path} is not a readable gzip file ({e}); fetch or write the log again") from None
+    raw = path.read_bytes()
+    if path.suffix == ".gz":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:
+            raise UserError(f"{path} is not a readable gzip file ({e}); fetch or write the log again") from None
     rows = []
     for i, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), 1):
         if line.strip():
@@ -54,6 +56,18 @@ def read(folder: str | Path, required: bool = True) -> list[dict]:
             except json.JSONDecodeError:
                 raise UserError(f"{path}:{i} is not JSON; pass a log written by `dflow-trt train`") from None
     return rows
+
+
+def wall_seconds(rows: list[dict]) -> float:
+    """Training wall time of `rows`: each stage (process) restarts its `elapsed_s` clock at 0, so
+    the time is summed over stages instead of read off the last record."""
+    wall, prev = 0.0, None
+    for r in rows:
+        e = r.get("elapsed_s")
+        if isinstance(e, (int, float)):
+            wall += e - prev if prev is not None and e >= prev else e
+            prev = e
+    return wall
 
 
 def write(folder: str | Path, rows: list[dict], compress: bool = False) -> Path:

@@ -579,7 +579,7 @@ def train(cfg: TrainConfig) -> Path:
     final = out / "drafter"
     if rank == 0:
         logtxt = train_log.to_text(log)
-        files = {"training_config.json": json.dumps(asdict(cfg), indent=2) + "\n", "train_log.jsonl": logtxt,
+        files = {"training_config.json": json.dumps(asdict(cfg), indent=2) + "\n", train_log.NAME: logtxt,
                  "data_manifest.json": (Path(cfg.data_dir) / "manifest.json").read_text()}
         if cfg.init_from:
             files[EARLIER] = json.dumps(earlier_stages(Path(cfg.init_from)), indent=1) + "\n"

@@ -18,4 +18,14 @@ case "$1" in
     B="--dataset humaneval,mtbench --num-prompts 48 --max-new-tokens 64 --chat --dflash-drafter $R/dflash/drafter --dflow-drafter $R/dflow"
     dflow-trt bench decode $B --json-out $R/bench.json > $R/bench.log 2>&1
     dflow-trt bench decode $B --verify-threshold 0.05 --alternatives 7 --json-out $R/bench_alternatives.json > $R/bench_alt.log 2>&1 ;;
+  ship)  # the README's bench files to history, the new ones in; the drafters in, their logs compressed
+    H=docs/history/bench-2026-12-07-evening && mkdir -p $H
+    git mv docs/bench.json docs/bench.png docs/bench_alternatives.json docs/bench_alternatives.png $H/
+    cp $R/bench.json $R/bench.png $R/bench_alternatives.json $R/bench_alternatives.png docs/
+    for o in dflash dflow; do
+      src=$R/$o; [ $o = dflash ] && src=$R/dflash/drafter
+      dst=dflow_trt/drafters/smollm2-135m-$o
+      git rm -rq $dst && mkdir -p $dst && cp $src/* $dst/
+      python -c "from dflow_trt.drafter import train_log as t; import sys; t.write(sys.argv[1], t.read(sys.argv[1]), compress=True)" $dst
+    done ;;
 esac
